@@ -1,0 +1,236 @@
+# Autodiff of a torch call: JVP through torch.func.jvp, transpose through torch.func.vjp.
+#
+# The JVP rule binds torch_call_p twice: fn(primals) for the primal output, and
+# JvpFunction(fn)(primals, tangents), which is linear in the tangents, for the tangent
+# output. JAX's linearize moves the second call into the linear part, and the transpose
+# rule turns it into VjpFunction(fn)(primals, cotangents). Both are torch callables bound to
+# the same primitive, so they are batched, differentiated and transposed again by the same
+# rules: grad of grad, hessian, vmap of grad and jit of all of them need no special case.
+#
+# Leaves are addressed by their index among the flat leaves of the positional args
+# (`wrt`), and outputs by a mask over the flat output leaves (`out_mask`: the inexact
+# outputs that carry tangents or cotangents), so derived functions stay hashable tuples.
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+
+from torchjax._convert import torch_dtype
+from torchjax._errors import AutodiffError
+from torchjax._primitive import Linear, _is_operand
+from torchjax._torch_call import Options, torch_call_p
+
+_tree = jax.tree_util
+
+AUTODIFF_HINT = (
+    "torch.func could not differentiate {name}: {error}\n"
+    "Code that torch.func cannot transform (an old-style torch.autograd.Function without "
+    "setup_context, some extension kernels) can be differentiated with "
+    "to_jax(fn, grad_method='autograd'), which uses torch.autograd.grad instead."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZerosLike:
+    """A static leaf standing for zeros of this shape and dtype (a linear input's point)."""
+
+    shape: tuple
+    dtype: np.dtype
+
+
+def _inexact(dtype: Any) -> bool:
+    return jax.numpy.issubdtype(dtype, jax.numpy.inexact)
+
+
+class _Derivative:
+    """Shared plumbing of JvpFunction and VjpFunction: select leaves, name errors."""
+
+    inner: Any
+    wrt: tuple
+    out_mask: tuple
+    grad_method: str
+
+    @property
+    def root(self) -> Any:
+        return self.inner.root
+
+    def arg_path(self, path: tuple) -> str:
+        return "args" + _tree.keystr(path)
+
+    def _restricted(self, primals: tuple) -> tuple[Any, list]:
+        """(g, x): g(*x) is inner's masked outputs as a function of the `wrt` leaves."""
+        leaves, tree = _tree.tree_flatten(primals)
+        device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), None)
+        leaves = [
+            torch.zeros(x.shape, dtype=torch_dtype(x.dtype), device=device)
+            if isinstance(x, ZerosLike)
+            else x
+            for x in leaves
+        ]
+
+        def g(*diff: torch.Tensor) -> tuple:
+            new = list(leaves)
+            for i, t in zip(self.wrt, diff, strict=True):
+                new[i] = t
+            outs = _tree.tree_leaves(self.inner(*_tree.tree_unflatten(tree, new)))
+            return tuple(o for o, m in zip(outs, self.out_mask, strict=True) if m)
+
+        return g, [leaves[i] for i in self.wrt]
+
+    def _inner_outputs(self, options: Options, primals: tuple) -> list:
+        out = torch_call_p.abstract_eval(*primals, fn=self.inner, options=options)
+        return [s for s, m in zip(_tree.tree_leaves(out), self.out_mask, strict=True) if m]
+
+    def fake_failure(self, error: Exception) -> Exception:
+        text = f"{type(error).__name__}: {error}"
+        if self.grad_method == "autograd":
+            return AutodiffError(f"torch.autograd could not differentiate {self.root.name}: {text}")
+        return AutodiffError(AUTODIFF_HINT.format(name=self.root.name, error=text))
+
+    def call_failure(self, error: Exception) -> Exception:
+        return self.fake_failure(error)
+
+
+@dataclasses.dataclass(frozen=True)
+class JvpFunction(_Derivative):
+    """``(primals, tangents) -> tangents of inner's masked outputs``; linear in tangents."""
+
+    inner: Any
+    wrt: tuple
+    out_mask: tuple
+    grad_method: str
+
+    def __call__(self, primals: tuple, tangents: tuple) -> tuple:
+        g, x = self._restricted(primals)
+        if self.grad_method == "torch.func":
+            return tuple(torch.func.jvp(g, tuple(x), tuple(tangents))[1])
+        # Forward mode from reverse mode: J t = d/du [u^T J]^T t, with u a dummy cotangent.
+        with torch.enable_grad():
+            x = [xi.detach().requires_grad_() for xi in x]
+            out = g(*x)
+            u = [torch.zeros_like(o, requires_grad=True) for o in out]
+            vjp = torch.autograd.grad(
+                out, x, u, create_graph=True, allow_unused=True, materialize_grads=True
+            )
+            jt = torch.autograd.grad(
+                vjp, u, tangents, create_graph=True, allow_unused=True, materialize_grads=True
+            )
+        return tuple(jt)
+
+    def declared_shapes(self, options: Options, primals: tuple, tangents: tuple) -> tuple:
+        del tangents
+        return tuple(self._inner_outputs(options, primals))
+
+
+@dataclasses.dataclass(frozen=True)
+class VjpFunction(_Derivative):
+    """``(primals, cotangents) -> cotangents of the wrt leaves``; linear in cotangents."""
+
+    inner: Any
+    wrt: tuple
+    out_mask: tuple
+    grad_method: str
+
+    def __call__(self, primals: tuple, cotangents: tuple) -> tuple:
+        g, x = self._restricted(primals)
+        if self.grad_method == "torch.func":
+            _, pullback = torch.func.vjp(g, *x)
+            return tuple(pullback(tuple(cotangents)))
+        with torch.enable_grad():
+            x = [xi.detach().requires_grad_() for xi in x]
+            out = g(*x)
+            return tuple(
+                torch.autograd.grad(
+                    out, x, cotangents, create_graph=True, allow_unused=True, materialize_grads=True
+                )
+            )
+
+    def declared_shapes(self, options: Options, primals: tuple, cotangents: tuple) -> tuple:
+        del options, cotangents
+        leaves = _tree.tree_leaves(primals)
+        return tuple(jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in self.wrt)
+
+
+@torch_call_p.def_jvp
+def _jvp(primals: tuple, tangents: tuple, *, fn: Any, options: Options) -> tuple[Any, Any]:
+    """Primal: fn(primals). Tangent: JvpFunction(fn)(primals, nonzero float tangents)."""
+    out = torch_call_p.bind(*primals, fn=fn, options=options)
+    leaves, tree = _tree.tree_flatten(primals)
+    t_leaves = tree.flatten_up_to(tangents)
+    wrt = tuple(
+        i
+        for i, (x, t) in enumerate(zip(leaves, t_leaves, strict=True))
+        if t is not None and _is_operand(x) and _inexact(x.dtype)
+    )
+    out_leaves, out_tree = _tree.tree_flatten(out)
+    out_mask = tuple(_inexact(o.dtype) for o in out_leaves)
+    if not wrt or not any(out_mask):
+        return out, None
+    jvp_fn = JvpFunction(fn, wrt, out_mask, options.grad_method)
+    t_out = iter(
+        torch_call_p.bind(primals, tuple(t_leaves[i] for i in wrt), fn=jvp_fn, options=options)
+    )
+    return out, _tree.tree_unflatten(out_tree, [next(t_out) if m else None for m in out_mask])
+
+
+@torch_call_p.def_transpose
+def _transpose(cts: Any, *args: Any, fn: Any, options: Options) -> tuple:
+    """Cotangents of the linear inputs, through VjpFunction.
+
+    A JvpFunction (linear in its tangents) transposes to VjpFunction of its inner function
+    directly. Any other call linear in some leaves (the user's own linear function, a
+    VjpFunction) is transposed generically: the vjp of fn with respect to those leaves,
+    taken at zero (any point will do for a linear function).
+    """
+    if isinstance(fn, JvpFunction):
+        primals, tangents = args
+        if all(isinstance(t, Linear) for t in tangents) and not _has_linear(primals):
+            keep = [i for i, c in enumerate(cts) if c is not None]
+            if not keep:
+                return None, None
+            float_outputs = [j for j, m in enumerate(fn.out_mask) if m]
+            chosen = {float_outputs[i] for i in keep}
+            out_mask = tuple(j in chosen for j in range(len(fn.out_mask)))
+            vjp_fn = VjpFunction(fn.inner, fn.wrt, out_mask, fn.grad_method)
+            grads = torch_call_p.bind(
+                primals, tuple(cts[i] for i in keep), fn=vjp_fn, options=options
+            )
+            return None, tuple(grads)
+    return _transpose_generic(cts, args, fn, options)
+
+
+def _has_linear(tree: Any) -> bool:
+    return any(isinstance(x, Linear) for x in _tree.tree_leaves(tree))
+
+
+def _transpose_generic(cts: Any, args: tuple, fn: Any, options: Options) -> tuple:
+    leaves, tree = _tree.tree_flatten(args)
+    wrt = tuple(i for i, x in enumerate(leaves) if isinstance(x, Linear))
+    ct_leaves = _tree.tree_structure(
+        torch_call_p.abstract_eval(
+            *_tree.tree_unflatten(tree, [_aval_of(x) for x in leaves]), fn=fn, options=options
+        )
+    ).flatten_up_to(cts)
+    out_mask = tuple(c is not None for c in ct_leaves)
+    if not wrt or not any(out_mask):
+        return tuple(None for _ in args)
+    point = [ZerosLike(x.shape, np.dtype(x.dtype)) if isinstance(x, Linear) else x for x in leaves]
+    vjp_fn = VjpFunction(fn, wrt, out_mask, options.grad_method)
+    grads = iter(
+        torch_call_p.bind(
+            _tree.tree_unflatten(tree, point),
+            tuple(c for c in ct_leaves if c is not None),
+            fn=vjp_fn,
+            options=options,
+        )
+    )
+    full = [next(grads) if isinstance(x, Linear) else None for x in leaves]
+    return tuple(_tree.tree_unflatten(tree, full))
+
+
+def _aval_of(x: Any) -> Any:
+    return x.aval if isinstance(x, Linear) else x

@@ -1,0 +1,261 @@
+# Value conversion between torch tensors and JAX arrays, and the one dtype/device table.
+#
+# Everything that moves data between the two frameworks goes through this file, so the
+# zero-copy rules, the x64 policy and the dtype table live in exactly one place:
+#
+# * zero-copy through DLPack wherever XLA accepts the layout; otherwise exactly one copy
+#   (non-contiguous or under-aligned torch views, which XLA cannot alias);
+# * with JAX's x64 mode off, 64-bit values are narrowed to JAX's canonical 32-bit types
+#   (one copy), and values that do not fit raise instead of wrapping or becoming inf;
+# * tensors that require grad are detached: autograd history does not cross the bridge.
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+from jax._src.lib import _jax  # the DLPack import without jax.dlpack's per-call overhead
+
+from torchjax._errors import ConversionError
+
+# torch dtype -> numpy/JAX dtype. The one table: every other module asks these helpers.
+_TORCH_TO_NUMPY: dict[torch.dtype, np.dtype] = {
+    torch.bool: np.dtype(np.bool_),
+    torch.uint8: np.dtype(np.uint8),
+    torch.uint16: np.dtype(np.uint16),
+    torch.uint32: np.dtype(np.uint32),
+    torch.uint64: np.dtype(np.uint64),
+    torch.int8: np.dtype(np.int8),
+    torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64),
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: np.dtype(jax.numpy.bfloat16),
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+    torch.complex64: np.dtype(np.complex64),
+    torch.complex128: np.dtype(np.complex128),
+}
+_NUMPY_TO_TORCH: dict[np.dtype, torch.dtype] = {v: k for k, v in _TORCH_TO_NUMPY.items()}
+
+# What a 64-bit type becomes when JAX's x64 mode is off (JAX's own canonicalization).
+_NARROW_64: dict[torch.dtype, torch.dtype] = {
+    torch.int64: torch.int32,
+    torch.uint64: torch.uint32,
+    torch.float64: torch.float32,
+    torch.complex128: torch.complex64,
+}
+
+SUPPORTED_DTYPES = ", ".join(str(d).removeprefix("torch.") for d in _TORCH_TO_NUMPY)
+
+# DLPack device types (dlpack.h): what a tensor's __dlpack_device__ reports.
+_DL_CPU, _DL_CUDA = 1, 2
+
+
+def jax_dtype(dtype: torch.dtype) -> np.dtype:
+    """The JAX (numpy) dtype for a torch dtype; raises ConversionError if there is none."""
+    try:
+        return _TORCH_TO_NUMPY[dtype]
+    except KeyError:
+        raise ConversionError(
+            f"torch dtype {dtype} has no JAX equivalent; supported: {SUPPORTED_DTYPES}."
+        ) from None
+
+
+def torch_dtype(dtype: Any) -> torch.dtype:
+    """The torch dtype for a JAX/numpy dtype (anything np.dtype accepts)."""
+    try:
+        return _NUMPY_TO_TORCH[np.dtype(dtype)]
+    except (KeyError, TypeError):
+        raise ConversionError(
+            f"dtype {dtype} has no torch equivalent; supported: {SUPPORTED_DTYPES}."
+        ) from None
+
+
+def canonical_torch_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype a value of `dtype` has once it is a JAX array (x64 policy applied)."""
+    if not jax.config.jax_enable_x64:
+        return _NARROW_64.get(dtype, dtype)
+    return dtype
+
+
+def canonical_jax_dtype(dtype: torch.dtype) -> np.dtype:
+    """The JAX dtype a torch value of `dtype` becomes (x64 policy applied)."""
+    return jax_dtype(canonical_torch_dtype(dtype))
+
+
+def narrow_checked(t: torch.Tensor, dtype: torch.dtype, where: str) -> torch.Tensor:
+    """`t` cast to the narrower `dtype`, raising if any value would change beyond rounding.
+
+    Integers must fit the narrower range; finite floats must stay finite. Rounding a
+    float64 to float32 is JAX's own x64-off behaviour and is allowed.
+    """
+    out = t.to(dtype)
+    if t.numel() == 0:
+        return out
+    if not dtype.is_floating_point and not dtype.is_complex:
+        info = torch.iinfo(dtype)
+        # torch implements few kernels for uint64; its bits read as int64 order the same
+        # way for everything below 2**63, and values at or above it show up as negative.
+        signed = t.view(torch.int64) if t.dtype == torch.uint64 else t
+        lo, hi = signed.min().item(), signed.max().item()
+        if t.dtype == torch.uint64 and lo < 0:
+            lo, hi = 0, 2**64 - 1
+        if lo < info.min or hi > info.max:
+            raise ConversionError(
+                f"{where}: {t.dtype} values in [{lo}, {hi}] do not fit {dtype}, the type JAX "
+                f"uses while x64 is off. Enable it with jax.config.update('jax_enable_x64', "
+                f"True), or cast the values yourself."
+            )
+    elif not torch.equal(torch.isfinite(out), torch.isfinite(t)):
+        raise ConversionError(
+            f"{where}: {t.dtype} values overflow {dtype}, the type JAX uses while x64 is off. "
+            f"Enable it with jax.config.update('jax_enable_x64', True), or rescale them."
+        )
+    return out
+
+
+class _CpuDevice(threading.local):
+    device: Any = None
+
+
+_cpu = _CpuDevice()
+
+
+def _jax_cpu_device() -> Any:
+    if _cpu.device is None:
+        _cpu.device = jax.devices("cpu")[0]
+    return _cpu.device
+
+
+def tensor_to_jax(t: torch.Tensor, where: str = "value") -> jax.Array:
+    """A torch tensor as a JAX array, sharing memory where the layout allows.
+
+    Args:
+      t: the tensor; it is detached (autograd history does not cross to JAX).
+      where: a path such as ``args[0]['a']`` used in error messages.
+
+    Returns:
+      A ``jax.Array`` on the matching device. It aliases ``t``'s memory when ``t`` is
+      contiguous and 16-byte aligned and keeps its dtype; otherwise it is one copy.
+    """
+    if t.requires_grad:
+        t = t.detach()
+    jax_dtype(t.dtype)  # raise early, with the table, for unsupported dtypes
+    narrow = canonical_torch_dtype(t.dtype)
+    if narrow is not t.dtype:
+        t = narrow_checked(t, narrow, where)
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.device.type == "cpu":
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            t = t.contiguous() if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+        capsule = torch.utils.dlpack.to_dlpack(t)
+        return _jax.dlpack_managed_tensor_to_buffer(capsule, _jax_cpu_device(), None, None, _DL_CPU)
+    if not t.is_contiguous():
+        t = t.contiguous()
+    # Off the CPU, jax.dlpack negotiates the stream hand-over; its overhead is small there.
+    return jax.dlpack.from_dlpack(t)
+
+
+def array_to_tensor(a: Any, where: str = "value") -> torch.Tensor:
+    """A JAX (or numpy) array as a torch tensor, sharing memory (zero-copy).
+
+    The tensor aliases the array's buffer: writing to it would change an immutable JAX
+    array, so callers must treat it as read-only (to_jax enforces this for torch code).
+    """
+    if isinstance(a, np.ndarray):
+        torch_dtype(a.dtype)
+        if not a.flags.writeable:
+            a = a.copy()  # torch cannot alias read-only numpy memory; one copy
+        return torch.from_numpy(a)
+    if isinstance(a, jax.core.Tracer):
+        raise ConversionError(
+            f"{where} is a traced JAX value ({a.aval}); it has no data to convert. Call torch "
+            f"code on traced values with torchjax.to_jax(fn) instead of converting them."
+        )
+    if not isinstance(a, jax.Array):
+        raise ConversionError(f"{where}: expected a JAX array, got {type(a).__name__}.")
+    torch_dtype(a.dtype)
+    if not a.is_fully_addressable or len(a.sharding.device_set) != 1:
+        raise ConversionError(
+            f"{where} is sharded over {len(a.sharding.device_set)} devices; convert single-device "
+            f"arrays, or call the torch code inside jax.shard_map on the local shards."
+        )
+    if a.platform() == "cpu":
+        return torch.utils.dlpack.from_dlpack(a.__dlpack__())
+    return torch.from_dlpack(a)  # negotiates the stream with torch's current stream
+
+
+def is_array(x: Any) -> bool:
+    """Whether a pytree leaf is array data (as opposed to a static value)."""
+    return isinstance(x, jax.Array | np.ndarray | jax.core.Tracer)
+
+
+def _leaf_path(path: tuple) -> str:
+    return "tree" + jax.tree_util.keystr(path)
+
+
+def tree_to_jax(tree: Any) -> Any:
+    """Convert every torch tensor and numpy array leaf of a pytree to a JAX array.
+
+    JAX arrays and non-array leaves pass through unchanged; the structure is preserved.
+    Conversion is zero-copy through DLPack where the layout allows it; non-contiguous or
+    under-aligned tensors, read-only numpy arrays, and 64-bit values narrowed because JAX's
+    x64 mode is off are copied once. Tensors that require grad are detached.
+
+    Args:
+      tree: any pytree (dicts, lists, tuples, namedtuples, registered custom nodes).
+
+    Returns:
+      The same structure with JAX arrays in place of tensors and numpy arrays.
+
+    Example:
+      >>> import torch, torchjax
+      >>> out = torchjax.tree_to_jax({"w": torch.ones(2, 3), "n": 4})
+      >>> out["w"].shape, out["n"]  # [2, 3] jax.Array; 4 passes through
+      ((2, 3), 4)
+    """
+
+    def convert(path: tuple, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return tensor_to_jax(x, _leaf_path(path))
+        if isinstance(x, np.ndarray):
+            if not x.flags.writeable:
+                x = x.copy()
+            return tensor_to_jax(torch.from_numpy(x), _leaf_path(path))
+        return x
+
+    return jax.tree_util.tree_map_with_path(convert, tree)
+
+
+def tree_to_torch(tree: Any) -> Any:
+    """Convert every JAX array and numpy array leaf of a pytree to a torch tensor.
+
+    Torch tensors and non-array leaves pass through unchanged. The tensors share memory
+    with the arrays (DLPack); treat tensors made from JAX arrays as read-only, since JAX
+    arrays are immutable and other JAX values may share their buffers.
+
+    Args:
+      tree: any pytree.
+
+    Returns:
+      The same structure with torch tensors in place of arrays.
+
+    Example:
+      >>> import jax.numpy as jnp, torchjax
+      >>> t = torchjax.tree_to_torch([jnp.zeros(3), None])
+      >>> t[0].shape, t[1]  # torch.Size([3]); None passes through
+      (torch.Size([3]), None)
+    """
+
+    def convert(path: tuple, x: Any) -> Any:
+        if isinstance(x, jax.Array | np.ndarray | jax.core.Tracer):
+            return array_to_tensor(x, _leaf_path(path))
+        return x
+
+    return jax.tree_util.tree_map_with_path(convert, tree)

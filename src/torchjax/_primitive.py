@@ -1,0 +1,424 @@
+# PytreePrimitive: a JAX primitive whose rules see the caller's pytrees, not flat lists.
+#
+# JAX primitives take flat lists of arrays, and JAX finds tracers only among those flat
+# arguments: a dict of tracers is not a tracer. So a rule written for `f({'a': x, 'b': y})`
+# cannot be registered directly. Here `bind` flattens every positional argument, sends the
+# array leaves to the underlying `jax.core.Primitive` as operands, and carries the tree
+# structure and every non-array leaf as static params. Each registered rule is wrapped in
+# a flat adapter that rebuilds the pytrees before calling the rule and flattens what it
+# returns. The output structure and avals are found once per signature by the abstract
+# eval rule and travel as params too, so the flat adapters can unflatten outputs and check
+# them.
+#
+# This module imports jax only: it knows nothing of torch.
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import core, dispatch
+from jax._src.interpreters import ad, batching, mlir
+
+from torchjax._errors import OutputMismatchError, RuleError, StaticArgumentError
+
+_tree = jax.tree_util
+
+
+class _ArrayLeaf:
+    """Placeholder for an operand's position among the static leaves (a singleton)."""
+
+    def __repr__(self) -> str:
+        return "<array>"
+
+
+_ARRAY = _ArrayLeaf()
+
+
+class Linear:
+    """Marks an argument leaf that is a linear input of a transpose rule.
+
+    A transpose rule receives a `Linear` wherever the primal value is undefined, i.e.
+    where JAX asks for a cotangent. Test for it with ``isinstance(x, PytreePrimitive.Linear)``.
+
+    Attributes:
+      shape: the input's shape.
+      dtype: the input's dtype.
+      aval: the input's ``jax.core.ShapedArray``.
+    """
+
+    __slots__ = ("aval",)
+
+    def __init__(self, aval: core.ShapedArray):
+        self.aval = aval
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.aval.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.aval.dtype
+
+    def __repr__(self) -> str:
+        return f"Linear({self.aval.str_short()})"
+
+
+def _is_operand(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | core.Tracer)
+
+
+def _path_str(prefix: str, path: tuple) -> str:
+    return prefix + _tree.keystr(path)
+
+
+def _arg_path(path: tuple) -> str:
+    # Paths of bind's positional args read as `args[0]['a']`.
+    return "args" + _tree.keystr(path)
+
+
+def _check_hashable(value: Any, where: str) -> None:
+    try:
+        hash(value)
+    except TypeError:
+        raise StaticArgumentError(
+            f"{where} is a {type(value).__name__}, which is neither an array nor hashable. "
+            f"Non-array leaves are static values and must be hashable (they become part of "
+            f"the jit cache key). Pass it as an array, or as a tuple/frozenset instead."
+        ) from None
+
+
+def _out_aval(leaf: Any) -> core.ShapedArray:
+    return core.ShapedArray(tuple(leaf.shape), np.dtype(leaf.dtype))
+
+
+class PytreePrimitive:
+    """A JAX primitive whose rules receive and return arbitrary pytrees.
+
+    Args:
+      name: the primitive's name, shown in jaxprs and in error messages.
+
+    ``bind(*args, **params)`` takes pytrees. Array leaves (``jax.Array``, numpy arrays,
+    tracers) are the primitive's operands; every other leaf (numbers, strings, None,
+    callables, ...) is static and must be hashable. ``params`` are static keyword params.
+    Every rule receives the positional args exactly as they were passed to ``bind``.
+
+    Rules (register each with the decorator of the same name):
+      * ``def_abstract_eval(rule)``: ``rule(*args, **params)`` returns a pytree of
+        ``jax.ShapeDtypeStruct``; array leaves arrive as ``jax.core.ShapedArray``
+        (they have ``.shape`` and ``.dtype``). Called once per distinct signature
+        (structure, static leaves, shapes, dtypes, params) and cached: keep it pure.
+      * ``def_impl(rule)``: ``rule(*args, **params)`` computes the output pytree eagerly.
+      * ``def_lowering(rule)``: a JAX-traceable ``rule(*args, **params)`` used under
+        ``jax.jit``. Without one, the impl is traced as JAX code.
+      * ``def_batching(rule)``: ``rule(args, batch_axes, **params) -> (out, out_axes)``.
+        ``batch_axes`` mirrors ``args`` with an int per batched array leaf and None for
+        unbatched and static leaves; ``out_axes`` is an int, None, or a pytree like out.
+      * ``def_jvp(rule)``: ``rule(primals, tangents, **params) -> (out, out_tangents)``.
+        A symbolic-zero tangent arrives as None (static leaves too); the rule may return
+        None for a zero output tangent, per leaf or for the whole output.
+      * ``def_transpose(rule)``: ``rule(cotangents, *args, **params)`` returns a tuple like
+        args with a cotangent for each ``PytreePrimitive.Linear`` leaf (None for a zero
+        one, per leaf or per whole argument). Zero cotangents arrive as None.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from torchjax import PytreePrimitive
+      >>> weighted_sum_p = PytreePrimitive("weighted_sum")
+      >>> @weighted_sum_p.def_abstract_eval
+      ... def _(d, *, scale):
+      ...     return jax.ShapeDtypeStruct(d["x"].shape, d["x"].dtype)
+      >>> @weighted_sum_p.def_impl
+      ... def _(d, *, scale):
+      ...     return scale * d["x"] + d["y"]
+      >>> @weighted_sum_p.def_batching
+      ... def _(args, axes, *, scale):
+      ...     (d,), (ax,) = args, axes
+      ...     x = jnp.moveaxis(d["x"], ax["x"], 0) if ax["x"] is not None else d["x"]
+      ...     y = jnp.moveaxis(d["y"], ax["y"], 0) if ax["y"] is not None else d["y"]
+      ...     x, y = jnp.broadcast_arrays(x, y)  # [B, N] each
+      ...     return weighted_sum_p.bind({"x": x, "y": y}, scale=scale), 0
+      >>> xs = jnp.ones((3, 2))
+      >>> f = lambda d: weighted_sum_p.bind(d, scale=2.0)
+      >>> jax.vmap(f, in_axes=({"x": 0, "y": None},))({"x": xs, "y": jnp.ones(2)}).shape
+      (3, 2)
+    """
+
+    Linear = Linear
+
+    def __init__(self, name: str):
+        self.name = name
+        self._abstract_eval_rule: Callable | None = None
+        self._impl_rule: Callable | None = None
+        self._lowering_rule: Callable | None = None
+        self._batching_rule: Callable | None = None
+        self._jvp_rule: Callable | None = None
+        self._transpose_rule: Callable | None = None
+
+        prim = core.Primitive(name)
+        prim.multiple_results = True
+        prim.def_abstract_eval(self._flat_abstract_eval)
+        prim.def_impl(self._flat_impl)
+        mlir.register_lowering(prim, mlir.lower_fun(self._flat_lowering, multiple_results=True))
+        batching.primitive_batchers[prim] = self._flat_batching
+        ad.primitive_jvps[prim] = self._flat_jvp
+        ad.primitive_transposes[prim] = self._flat_transpose
+        self.primitive = prim
+        self._signature_cache = functools.lru_cache(maxsize=4096)(self._out_signature)
+
+    def __repr__(self) -> str:
+        return f"PytreePrimitive({self.name!r})"
+
+    # -- rule registration -------------------------------------------------------------
+    def def_abstract_eval(self, rule: Callable) -> Callable:
+        self._abstract_eval_rule = rule
+        self._signature_cache.cache_clear()
+        return rule
+
+    def def_impl(self, rule: Callable) -> Callable:
+        self._impl_rule = rule
+        return rule
+
+    def def_lowering(self, rule: Callable) -> Callable:
+        self._lowering_rule = rule
+        return rule
+
+    def def_batching(self, rule: Callable) -> Callable:
+        self._batching_rule = rule
+        return rule
+
+    def def_jvp(self, rule: Callable) -> Callable:
+        self._jvp_rule = rule
+        return rule
+
+    def def_transpose(self, rule: Callable) -> Callable:
+        self._transpose_rule = rule
+        return rule
+
+    def _missing(self, rule: str, needed_by: str) -> RuleError:
+        return RuleError(
+            f"PytreePrimitive '{self.name}' has no {rule} rule, which {needed_by} needs. "
+            f"Register one with @{self.name}_p.def_{rule}."
+        )
+
+    # -- bind --------------------------------------------------------------------------
+    def bind(self, *args: Any, **params: Any) -> Any:
+        """Apply the primitive to pytree arguments; returns the output pytree."""
+        leaves, in_tree = _tree.tree_flatten(args)
+        operands = []
+        statics = []
+        for leaf in leaves:
+            if _is_operand(leaf):
+                operands.append(leaf)
+                statics.append(_ARRAY)
+            else:
+                statics.append(leaf)
+        statics_t = tuple(statics)
+        user_params = tuple(sorted(params.items()))
+        try:
+            hash(statics_t)
+        except TypeError:
+            self._raise_unhashable(args)
+        for name, value in user_params:
+            _check_hashable(value, f"{self.name}.bind keyword param {name!r}")
+        avals = tuple(core.typeof(x) for x in operands)
+        out_tree, out_avals = self._signature_cache(in_tree, statics_t, avals, user_params)
+        out_flat = self.primitive.bind(
+            *operands,
+            in_tree=in_tree,
+            statics=statics_t,
+            out_tree=out_tree,
+            out_avals=out_avals,
+            params=user_params,
+        )
+        return _tree.tree_unflatten(out_tree, out_flat)
+
+    def abstract_eval(self, *args: Any, **params: Any) -> Any:
+        """The output types of ``bind(*args, **params)``: a pytree of ShapeDtypeStruct.
+
+        Uses the same per-signature cache as bind; array leaves may be arrays, tracers or
+        anything with ``.shape`` and ``.dtype``.
+        """
+        leaves, in_tree = _tree.tree_flatten(args)
+        avals, statics = [], []
+        for leaf in leaves:
+            if _is_operand(leaf) or isinstance(leaf, core.ShapedArray):
+                avals.append(core.typeof(leaf) if _is_operand(leaf) else leaf)
+                statics.append(_ARRAY)
+            else:
+                statics.append(leaf)
+        out_tree, out_avals = self._signature_cache(
+            in_tree, tuple(statics), tuple(avals), tuple(sorted(params.items()))
+        )
+        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
+        return _tree.tree_unflatten(out_tree, structs)
+
+    def _raise_unhashable(self, args: tuple) -> None:
+        for path, leaf in _tree.tree_flatten_with_path(args)[0]:
+            if not _is_operand(leaf):
+                _check_hashable(leaf, f"{self.name}: static leaf {_arg_path(path)}")
+
+    def _out_signature(self, in_tree, statics, avals, user_params):
+        if self._abstract_eval_rule is None:
+            raise self._missing("abstract_eval", "every bind")
+        args = _rebuild(in_tree, statics, avals)
+        out = self._abstract_eval_rule(*args, **dict(user_params))
+        leaves, out_tree = _tree.tree_flatten(out)
+        for path, leaf in _tree.tree_flatten_with_path(out)[0]:
+            if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+                raise OutputMismatchError(
+                    f"{self.name}: abstract_eval returned {type(leaf).__name__} at "
+                    f"{_path_str('out', path)}; every leaf must be a jax.ShapeDtypeStruct."
+                )
+        return out_tree, tuple(_out_aval(leaf) for leaf in leaves)
+
+    # -- flat adapters -----------------------------------------------------------------
+    def _flat_abstract_eval(self, *avals, out_avals, **_):
+        return list(out_avals)
+
+    def _flatten_out(self, out: Any, out_tree, out_avals, rule: str) -> list:
+        leaves, tree = _tree.tree_flatten(out)
+        if tree != out_tree:
+            raise OutputMismatchError(
+                f"{self.name}: the {rule} rule returned an output of structure {tree}, but "
+                f"abstract_eval declared {out_tree}."
+            )
+        paths = None
+        for i, (leaf, aval) in enumerate(zip(leaves, out_avals, strict=True)):
+            shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+            if shape is None or tuple(shape) != aval.shape or np.dtype(dtype) != aval.dtype:
+                if paths is None:
+                    paths = [p for p, _ in _tree.tree_flatten_with_path(out)[0]]
+                got = f"{type(leaf).__name__}" if shape is None else f"{dtype}{list(shape)}"
+                raise OutputMismatchError(
+                    f"{self.name}: the {rule} rule returned {got} at "
+                    f"{_path_str('out', paths[i])}, but abstract_eval declared "
+                    f"{aval.str_short()}. Make the rule and abstract_eval agree."
+                )
+        return leaves
+
+    def _flat_impl(self, *operands, in_tree, statics, out_tree, out_avals, params):
+        if self._impl_rule is None:
+            if self._lowering_rule is None:
+                raise self._missing("impl", "eager evaluation")
+            return dispatch.apply_primitive(
+                self.primitive,
+                *operands,
+                in_tree=in_tree,
+                statics=statics,
+                out_tree=out_tree,
+                out_avals=out_avals,
+                params=params,
+            )
+        args = _rebuild(in_tree, statics, operands)
+        out = self._impl_rule(*args, **dict(params))
+        return self._flatten_out(out, out_tree, out_avals, "impl")
+
+    def _flat_lowering(self, *operands, in_tree, statics, out_tree, out_avals, params):
+        rule = self._lowering_rule or self._impl_rule
+        if rule is None:
+            raise self._missing("lowering", "jax.jit")
+        args = _rebuild(in_tree, statics, operands)
+        out = rule(*args, **dict(params))
+        return self._flatten_out(out, out_tree, out_avals, "lowering")
+
+    def _flat_batching(self, operands, dims, *, in_tree, statics, out_tree, out_avals, params):
+        del out_tree, out_avals
+        if self._batching_rule is None:
+            raise self._missing("batching", "jax.vmap")
+        args = _rebuild(in_tree, statics, operands)
+        axes = _rebuild(in_tree, statics, dims, fill=None)
+        out, out_axes = self._batching_rule(args, axes, **dict(params))
+        leaves, tree = _tree.tree_flatten(out)
+        flat_axes = _broadcast_prefix(out_axes, tree, "batching", self.name, "out_axes")
+        dims_out = []
+        for leaf, ax in zip(leaves, flat_axes, strict=True):
+            if ax is None:
+                dims_out.append(None)  # JAX's not-mapped marker
+            else:
+                dims_out.append(ax % np.ndim(leaf) if np.ndim(leaf) else ax)
+        return leaves, dims_out
+
+    def _flat_jvp(self, primals, tangents, *, in_tree, statics, out_tree, out_avals, params):
+        if self._jvp_rule is None:
+            raise self._missing("jvp", "forward- and reverse-mode differentiation")
+        primal_args = _rebuild(in_tree, statics, primals)
+        tangent_args = _rebuild(
+            in_tree, statics, [None if type(t) is ad.Zero else t for t in tangents], fill=None
+        )
+        out, out_tangents = self._jvp_rule(primal_args, tangent_args, **dict(params))
+        out_flat = self._flatten_out(out, out_tree, out_avals, "jvp")
+        if out_tangents is None:
+            tangents_flat = [None] * len(out_flat)
+        else:
+            tangents_flat = _broadcast_prefix(out_tangents, out_tree, "jvp", self.name, "tangents")
+        result = []
+        for t, aval in zip(tangents_flat, out_avals, strict=True):
+            tangent_aval = aval.to_tangent_aval()
+            if t is None or tangent_aval.dtype == jax.dtypes.float0:
+                result.append(ad.Zero(tangent_aval))
+            else:
+                result.append(t)
+        return out_flat, result
+
+    def _flat_transpose(self, cts, *operands, in_tree, statics, out_tree, out_avals, params):
+        del out_avals
+        if self._transpose_rule is None:
+            raise self._missing("transpose", "reverse-mode differentiation (jax.grad, jax.vjp)")
+        ct_tree = _tree.tree_unflatten(out_tree, [None if type(c) is ad.Zero else c for c in cts])
+        marked = [Linear(x.aval) if ad.is_undefined_primal(x) else x for x in operands]
+        args = _rebuild(in_tree, statics, marked)
+        ct_args = self._transpose_rule(ct_tree, *args, **dict(params))
+        if not isinstance(ct_args, tuple | list) or len(ct_args) != len(args):
+            raise OutputMismatchError(
+                f"{self.name}: the transpose rule must return a tuple with one entry per "
+                f"positional argument ({len(args)}), got {type(ct_args).__name__}."
+            )
+        ct_leaves = []
+        for arg_tree, ct in zip(in_tree.children(), ct_args, strict=True):
+            if ct is None:
+                ct_leaves.extend([None] * arg_tree.num_leaves)
+            else:
+                ct_leaves.extend(_broadcast_prefix(ct, arg_tree, "transpose", self.name, "cts"))
+        result = []
+        operand_iter = iter(operands)
+        for static, ct in zip(statics, ct_leaves, strict=True):
+            if static is not _ARRAY:
+                continue
+            x = next(operand_iter)
+            if not ad.is_undefined_primal(x):
+                result.append(None)
+            elif ct is None:
+                result.append(ad.Zero(x.aval.to_tangent_aval()))
+            else:
+                result.append(ct)
+        return result
+
+
+def _rebuild(in_tree, statics: tuple, operands, fill: Any = _ARRAY) -> tuple:
+    """Bind's positional args, with `operands` at the array positions.
+
+    With `fill` given, static positions get `fill` instead of their value (used to build
+    the batch-axes and tangent trees, which hold None at static leaves).
+    """
+    it = iter(operands)
+    if fill is _ARRAY:
+        leaves = [next(it) if s is _ARRAY else s for s in statics]
+    else:
+        leaves = [next(it) if s is _ARRAY else fill for s in statics]
+    return _tree.tree_unflatten(in_tree, leaves)
+
+
+def _broadcast_prefix(value: Any, tree, rule: str, name: str, what: str) -> list:
+    """Flatten `value` (an int/None/array per leaf of `tree`, or one for all) to a list."""
+    if value is None or isinstance(value, int):
+        return [value] * tree.num_leaves
+    try:
+        return tree.flatten_up_to(value)
+    except (ValueError, TypeError) as e:
+        raise OutputMismatchError(
+            f"{name}: the {rule} rule returned {what} whose structure does not match the "
+            f"output's {tree}: {e}"
+        ) from None

@@ -1,0 +1,105 @@
+# Output shapes without real data: run the torch function on FakeTensors.
+#
+# FakeTensorMode propagates shapes and dtypes through real torch kernels' meta functions,
+# so the function runs exactly as written but touches no memory. The same run catches
+# in-place mutation of inputs (a fake tensor's version counter moves like a real one's),
+# before any real JAX buffer is handed to torch. Results are cached by PytreePrimitive,
+# once per (function, structure, static leaves, shapes, dtypes).
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from torchjax._convert import canonical_jax_dtype, torch_dtype
+from torchjax._errors import InPlaceMutationError, OutputMismatchError
+
+_tree = jax.tree_util
+
+# Fake runs are rare (cached) and FakeTensorMode is process-wide state in places; one at a
+# time keeps concurrent first calls from different threads from interleaving.
+_fake_lock = threading.Lock()
+
+INPLACE_MESSAGE = """\
+{name} modifies its input {path} in place ({how}). JAX arrays are immutable and torchjax
+hands torch the caller's buffer without a copy, so this would silently change the caller's
+array. Clone the input first:
+
+    def {short}(x):
+        x = x.clone()   # instead of modifying the argument
+        x.add_(1)
+        return x
+"""
+
+
+def function_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def default_torch_device() -> torch.device:
+    """The torch device matching JAX's default device (where real calls will run)."""
+    platform = jax.devices()[0].platform
+    return torch.device("cuda") if platform in ("gpu", "cuda", "rocm") else torch.device("cpu")
+
+
+def _path_of(path: tuple) -> str:
+    return "args" + _tree.keystr(path)
+
+
+def check_versions(tensors: list, versions: list, paths: list, name: str, how: str) -> None:
+    """Raise InPlaceMutationError naming the first input whose version counter moved."""
+    for t, v, path in zip(tensors, versions, paths, strict=True):
+        if t._version != v:
+            raise InPlaceMutationError(
+                INPLACE_MESSAGE.format(name=name, path=path, how=how, short=name.rsplit(".", 1)[-1])
+            )
+
+
+def output_struct(path: tuple, leaf: Any, name: str) -> jax.ShapeDtypeStruct:
+    """The JAX type of one output leaf of a torch function (tensor or Python number)."""
+    if isinstance(leaf, torch.Tensor):
+        return jax.ShapeDtypeStruct(tuple(leaf.shape), canonical_jax_dtype(leaf.dtype))
+    if isinstance(leaf, bool | int | float | complex):
+        dtype = jax.dtypes.canonicalize_dtype(np.asarray(leaf).dtype)
+        return jax.ShapeDtypeStruct((), dtype)
+    raise OutputMismatchError(
+        f"{name} returned a {type(leaf).__name__} at out{_tree.keystr(path)}; a function "
+        f"wrapped by to_jax must return tensors, Python numbers, or pytrees of them. Return "
+        f"the value as a tensor, or drop it from the output."
+    )
+
+
+def fake_eval(fn: Any, args: tuple, name: str) -> Any:
+    """Run `fn(*args)` on fake tensors; return its output as a pytree of ShapeDtypeStruct.
+
+    Args:
+      fn: a torch callable taking the positional pytrees `args`.
+      args: pytrees whose array leaves are avals (``.shape``/``.dtype``); other leaves
+        are passed through as they are.
+      name: the user-facing function name, for messages.
+
+    Raises:
+      InPlaceMutationError: `fn` modified an input in place.
+      Exception: whatever `fn` raised on fake tensors; callers add the context.
+    """
+    device = default_torch_device()
+    with _fake_lock, FakeTensorMode(allow_non_fake_inputs=True):
+        leaves, tree = _tree.tree_flatten_with_path(args)
+        fakes, paths, values = [], [], []
+        describe = getattr(fn, "arg_path", _path_of)
+        for path, leaf in leaves:
+            if isinstance(leaf, jax.core.ShapedArray | jax.ShapeDtypeStruct):
+                t = torch.empty(leaf.shape, dtype=torch_dtype(leaf.dtype), device=device)
+                fakes.append(t)
+                paths.append(describe(path))
+                values.append(t)
+            else:
+                values.append(leaf)
+        versions = [t._version for t in fakes]
+        out = fn(*_tree.tree_unflatten(tree, values))
+        check_versions(fakes, versions, paths, name, "seen while inferring output shapes")
+    return _tree.tree_map_with_path(lambda p, x: output_struct(p, x, name), out)

@@ -1,0 +1,93 @@
+# to_jax: the public wrapper that turns a torch function into a JAX function.
+#
+# All the work happens in torch_call_p's rules; this file validates the options, keeps
+# one UserFunction per wrapped function (so jit caches hit on every call), and binds.
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torchjax._autodiff  # noqa: F401  (registers torch_call_p's jvp and transpose rules)
+import torchjax._batching  # noqa: F401  (registers torch_call_p's batching rule)
+from torchjax._torch_call import (
+    GRAD_METHODS,
+    VMAP_METHODS,
+    VMAP_RANDOMNESS,
+    Options,
+    UserFunction,
+    torch_call_p,
+)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"to_jax: {name}={value!r} is not one of {', '.join(map(repr, choices))}.")
+
+
+def to_jax(
+    fn: Callable | None = None,
+    *,
+    result_shape_dtypes: Any = None,
+    vmap_method: str = "torch",
+    vmap_randomness: str = "error",
+    grad_method: str = "torch.func",
+) -> Callable:
+    """Turn a function on torch tensors into a JAX function.
+
+    The result takes the same arguments as `fn` (positional and keyword, arbitrary
+    pytrees) with JAX arrays where `fn` takes tensors; every other leaf is passed to `fn`
+    unchanged as a static (hashable) value. It returns `fn`'s output pytree with JAX arrays
+    where `fn` returned tensors (Python numbers become 0-d arrays). It works eagerly and
+    under ``jax.jit``, ``jax.vmap``, ``jax.grad``, ``jax.jvp`` and their compositions.
+
+    Args:
+      fn: the torch function. Omit it to use ``@to_jax(...)`` as a decorator factory.
+      result_shape_dtypes: the outputs' types, a pytree of ``jax.ShapeDtypeStruct``, or a
+        callable taking the inputs as ShapeDtypeStructs (same signature as `fn`) and
+        returning one. Without it, types are found by running `fn` on torch fake
+        tensors (no real data), once per input signature.
+      vmap_method: how ``jax.vmap`` batches the call. ``"torch"`` (default): one call of
+        ``torch.func.vmap(fn)``. ``"sequential"``: one call per example (for code that
+        torch.vmap cannot batch). ``"expand_dims"``: `fn` handles a leading batch axis
+        itself; unbatched inputs get a size-1 axis. ``"broadcast_all"``: likewise, with
+        every input broadcast to the full batch.
+      vmap_randomness: ``torch.func.vmap``'s ``randomness``: ``"error"`` (default),
+        ``"different"`` or ``"same"``.
+      grad_method: ``"torch.func"`` (default) differentiates with ``torch.func.jvp`` and
+        ``torch.func.vjp``; ``"autograd"`` uses ``torch.autograd.grad`` for code torch.func
+        cannot transform (old-style ``torch.autograd.Function``, some extensions).
+
+    Returns:
+      A JAX function with `fn`'s name and docstring.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, torch, torchjax
+      >>> @torchjax.to_jax
+      ... def f(x):  # [N] -> []
+      ...     return torch.sin(x).sum()
+      >>> x = jnp.arange(3.0)
+      >>> bool(jnp.allclose(jax.jit(jax.grad(f))(x), jnp.cos(x)))
+      True
+    """
+    if fn is None:
+        return functools.partial(
+            to_jax,
+            result_shape_dtypes=result_shape_dtypes,
+            vmap_method=vmap_method,
+            vmap_randomness=vmap_randomness,
+            grad_method=grad_method,
+        )
+    if not callable(fn):
+        raise TypeError(f"to_jax expects a callable, got {type(fn).__name__}.")
+    _check_choice("vmap_method", vmap_method, VMAP_METHODS)
+    _check_choice("vmap_randomness", vmap_randomness, VMAP_RANDOMNESS)
+    _check_choice("grad_method", grad_method, GRAD_METHODS)
+    user = UserFunction(fn, result_shape_dtypes)
+    options = Options(vmap_method, vmap_randomness, grad_method)
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return torch_call_p.bind(args, kwargs, fn=user, options=options)
+
+    return wrapped

@@ -1,0 +1,202 @@
+# torch_call_p: the one primitive behind every wrapped torch function.
+#
+# `torch_call_p.bind(*args, fn=fn, options=options)` means "fn(*args), computed by torch".
+# `fn` is a hashable torch callable: the user's function (UserFunction) or one derived from
+# it by a transformation (torch.func.vmap / jvp / vjp of another such callable; see
+# _batching.py and _autodiff.py). Because every derived function is again a torch callable
+# bound to this primitive, the rules compose: vmap of grad, hessian, jit of vmap of vmap.
+#
+# This file holds the rules every such call shares: abstract eval (fake tensors, or the
+# user's result_shape_dtypes), the eager impl (DLPack both ways), and the jit lowering.
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import torch
+
+from torchjax._convert import array_to_tensor, canonical_torch_dtype, tensor_to_jax, torch_dtype
+from torchjax._errors import (
+    ConversionError,
+    OutputMismatchError,
+    ShapeInferenceError,
+    TorchCallError,
+    TorchJaxError,
+)
+from torchjax._lowering import callback_call
+from torchjax._primitive import PytreePrimitive, _is_operand
+from torchjax._shapes import check_versions, fake_eval, function_name
+
+_tree = jax.tree_util
+
+VMAP_METHODS = ("torch", "sequential", "expand_dims", "broadcast_all")
+VMAP_RANDOMNESS = ("error", "different", "same")
+GRAD_METHODS = ("torch.func", "autograd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Policies chosen in to_jax; they travel with every call derived from the function."""
+
+    vmap_method: str = "torch"
+    vmap_randomness: str = "error"
+    grad_method: str = "torch.func"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class UserFunction:
+    """The user's torch function, called as ``fn(*args, **kwargs)``.
+
+    Bound as ``torch_call_p.bind(args, kwargs, fn=UserFunction(...))``. Compared by
+    identity: to_jax makes one per wrapped function, so repeated calls hit jit caches.
+    """
+
+    fn: Callable
+    result_shape_dtypes: Any = None
+
+    @property
+    def name(self) -> str:
+        return function_name(self.fn)
+
+    @property
+    def root(self) -> UserFunction:
+        return self
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def arg_path(self, path: tuple) -> str:
+        # bind's args are (args, kwargs): report paths as the user wrote the call.
+        head = "args" if path[0].idx == 0 else "kwargs"
+        return head + _tree.keystr(tuple(path[1:]))
+
+    def declared_shapes(self, options: Options, args: tuple, kwargs: dict) -> Any:
+        del options
+        spec = self.result_shape_dtypes
+        if callable(spec):
+            to_struct = lambda x: (
+                jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.core.ShapedArray) else x
+            )
+            spec = spec(*_tree.tree_map(to_struct, args), **_tree.tree_map(to_struct, kwargs))
+        return spec
+
+    def fake_failure(self, error: Exception) -> Exception:
+        return ShapeInferenceError(
+            f"Could not infer the output shapes of {self.name} by running it on fake tensors "
+            f"(no real data): {type(error).__name__}: {error}\n"
+            f"If the function has data-dependent shapes or reads values (.item(), "
+            f".tolist(), Python control flow on tensor values), declare its outputs:\n"
+            f"    to_jax({self.name.rsplit('.', 1)[-1]}, result_shape_dtypes="
+            f"jax.ShapeDtypeStruct(shape, dtype))\n"
+            f"or a callable mapping the input ShapeDtypeStructs to the outputs."
+        )
+
+    def call_failure(self, error: Exception) -> Exception:
+        return TorchCallError(f"{self.name} raised {type(error).__name__}: {error}")
+
+
+torch_call_p = PytreePrimitive("torch_call")
+
+
+@torch_call_p.def_abstract_eval
+def _abstract_eval(*args: Any, fn: Any, options: Options) -> Any:
+    """Output types of ``fn(*args)``: declared by the user, or found on fake tensors."""
+    for path, leaf in _tree.tree_flatten_with_path(args)[0]:
+        if isinstance(leaf, torch.Tensor):
+            raise ConversionError(
+                f"{fn.root.arg_path(path)} is a torch.Tensor; functions made by to_jax take JAX "
+                f"arrays where the torch function takes tensors. Convert it with "
+                f"torchjax.tree_to_jax, or close over it in the torch function."
+            )
+    if fn.root.result_shape_dtypes is not None:
+        return fn.declared_shapes(options, *args)
+    try:
+        return fake_eval(fn, args, fn.root.name)
+    except TorchJaxError:
+        raise
+    except Exception as e:
+        raise fn.fake_failure(e) from e
+
+
+def _out_signature(fn: Any, args: tuple, options: Options) -> tuple[Any, list, list[str]]:
+    """The output treedef, flat ShapeDtypeStructs and their paths (cached abstract eval)."""
+    out = torch_call_p.abstract_eval(*args, fn=fn, options=options)
+    with_path, out_tree = _tree.tree_flatten_with_path(out)
+    return out_tree, [s for _, s in with_path], ["out" + _tree.keystr(p) for p, _ in with_path]
+
+
+def _call_torch(fn: Any, args: tuple, tensors: list[torch.Tensor]) -> list[Any]:
+    """Call ``fn`` with `tensors` in the array positions of `args`; return flat outputs.
+
+    Shared by the eager impl and the jit callback. Raises TorchCallError (with the
+    original type and message) if fn raises, and InPlaceMutationError if fn modified an
+    input after all (the fake run catches that first; version counters are the backstop).
+    """
+    leaves, tree = _tree.tree_flatten(args)
+    it = iter(tensors)
+    leaves = [next(it) if _is_operand(x) else x for x in leaves]
+    versions = [t._version for t in tensors]
+    try:
+        with torch.no_grad():
+            out = fn(*_tree.tree_unflatten(tree, leaves))
+    except TorchJaxError:
+        raise
+    except Exception as e:
+        raise fn.call_failure(e) from e
+    if any(t._version != v for t, v in zip(tensors, versions, strict=True)):
+        paths = [
+            fn.root.arg_path(p) for p, x in _tree.tree_flatten_with_path(args)[0] if _is_operand(x)
+        ]
+        check_versions(tensors, versions, paths, fn.root.name, "seen after the real call")
+    return _tree.tree_leaves(out)
+
+
+def _to_output_tensor(value: Any, struct: jax.ShapeDtypeStruct, where: str, name: str):
+    """A torch result as a tensor of the declared type (x64 narrowing is left to the copy)."""
+    want = torch_dtype(struct.dtype)
+    if not isinstance(value, torch.Tensor):
+        return torch.tensor(value, dtype=want)
+    if tuple(value.shape) != struct.shape or canonical_torch_dtype(value.dtype) != want:
+        raise OutputMismatchError(
+            f"{name} returned {str(value.dtype).removeprefix('torch.')}{list(value.shape)} at "
+            f"{where}, but {struct.dtype}{list(struct.shape)} was declared (result_shape_dtypes) "
+            f"or inferred (fake-tensor run). Make result_shape_dtypes match what the function "
+            f"returns, or make the function's output independent of the input values."
+        )
+    return value
+
+
+@torch_call_p.def_impl
+def _impl(*args: Any, fn: Any, options: Options) -> Any:
+    """Eager: DLPack the JAX inputs to torch, call fn, DLPack the outputs back."""
+    operands = [x for x in _tree.tree_leaves(args) if _is_operand(x)]
+    tensors = [array_to_tensor(x) for x in operands]
+    results = _call_torch(fn, args, tensors)
+    out_tree, structs, paths = _out_signature(fn, args, options)
+    storages = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+    outs = []
+    for value, struct, where in zip(results, structs, paths, strict=True):
+        value = _to_output_tensor(value, struct, where, fn.root.name)
+        if value.numel() and value.untyped_storage().data_ptr() in storages:
+            value = value.clone()  # an output aliasing an input would share its JAX buffer
+        outs.append(tensor_to_jax(value, where))
+    return _tree.tree_unflatten(out_tree, outs)
+
+
+@torch_call_p.def_lowering
+def _lowering(*args: Any, fn: Any, options: Options) -> Any:
+    """Under jit: a buffer_callback that runs fn on XLA's buffers (see _lowering.py)."""
+    operands = [x for x in _tree.tree_leaves(args) if _is_operand(x)]
+    out_tree, structs, paths = _out_signature(fn, args, options)
+
+    def run(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        results = _call_torch(fn, args, tensors)
+        return [
+            _to_output_tensor(v, s, w, fn.root.name)
+            for v, s, w in zip(results, structs, paths, strict=True)
+        ]
+
+    outs = callback_call(run, operands, structs, paths, fn.root.name)
+    return _tree.tree_unflatten(out_tree, outs)
