@@ -153,6 +153,7 @@ class PytreePrimitive:
         self._abstract_eval_rule: Callable | None = None
         self._impl_rule: Callable | None = None
         self._lowering_rule: Callable | None = None
+        self._impl_out_types = self._lowering_out_types = False
         self._batching_rule: Callable | None = None
         self._jvp_rule: Callable | None = None
         self._transpose_rule: Callable | None = None
@@ -177,12 +178,20 @@ class PytreePrimitive:
         self._signature_cache.cache_clear()
         return rule
 
-    def def_impl(self, rule: Callable) -> Callable:
-        self._impl_rule = rule
+    def def_impl(self, rule: Callable | None = None, *, out_types: bool = False) -> Any:
+        """Register the eager impl. With ``out_types=True`` (usable as
+        ``@p.def_impl(out_types=True)``) the rule also receives ``out_types=``, the pytree of
+        ShapeDtypeStruct that abstract_eval declared, so it need not recompute it."""
+        if rule is None:
+            return functools.partial(self.def_impl, out_types=out_types)
+        self._impl_rule, self._impl_out_types = rule, out_types
         return rule
 
-    def def_lowering(self, rule: Callable) -> Callable:
-        self._lowering_rule = rule
+    def def_lowering(self, rule: Callable | None = None, *, out_types: bool = False) -> Any:
+        """Register the jit lowering, a JAX-traceable rule; ``out_types`` as in def_impl."""
+        if rule is None:
+            return functools.partial(self.def_lowering, out_types=out_types)
+        self._lowering_rule, self._lowering_out_types = rule, out_types
         return rule
 
     def def_batching(self, rule: Callable) -> Callable:
@@ -252,8 +261,7 @@ class PytreePrimitive:
         out_tree, out_avals = self._signature_cache(
             in_tree, tuple(statics), tuple(avals), tuple(sorted(params.items()))
         )
-        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
-        return _tree.tree_unflatten(out_tree, structs)
+        return _out_types(out_tree, out_avals)
 
     def _raise_unhashable(self, args: tuple) -> None:
         for path, leaf in _tree.tree_flatten_with_path(args)[0]:
@@ -313,15 +321,24 @@ class PytreePrimitive:
                 params=params,
             )
         args = _rebuild(in_tree, statics, operands)
-        out = self._impl_rule(*args, **dict(params))
+        kwargs = dict(params)
+        if self._impl_out_types:
+            kwargs["out_types"] = _out_types(out_tree, out_avals)
+        out = self._impl_rule(*args, **kwargs)
         return self._flatten_out(out, out_tree, out_avals, "impl")
 
     def _flat_lowering(self, *operands, in_tree, statics, out_tree, out_avals, params):
-        rule = self._lowering_rule or self._impl_rule
-        if rule is None:
+        if self._lowering_rule is not None:
+            rule, with_types = self._lowering_rule, self._lowering_out_types
+        elif self._impl_rule is not None:
+            rule, with_types = self._impl_rule, self._impl_out_types
+        else:
             raise self._missing("lowering", "jax.jit")
         args = _rebuild(in_tree, statics, operands)
-        out = rule(*args, **dict(params))
+        kwargs = dict(params)
+        if with_types:
+            kwargs["out_types"] = _out_types(out_tree, out_avals)
+        out = rule(*args, **kwargs)
         return self._flatten_out(out, out_tree, out_avals, "lowering")
 
     def _flat_batching(self, operands, dims, *, in_tree, statics, out_tree, out_avals, params):
@@ -395,6 +412,13 @@ class PytreePrimitive:
             else:
                 result.append(ct)
         return result
+
+
+@functools.lru_cache(maxsize=4096)
+def _out_types(out_tree, out_avals: tuple) -> Any:
+    """The pytree of ShapeDtypeStruct for a signature (cached: it is built on hot paths)."""
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
+    return _tree.tree_unflatten(out_tree, structs)
 
 
 def _rebuild(in_tree, statics: tuple, operands, fill: Any = _ARRAY) -> tuple:

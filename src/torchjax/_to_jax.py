@@ -8,8 +8,12 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 import torchjax._autodiff  # noqa: F401  (registers torch_call_p's jvp and transpose rules)
 import torchjax._batching  # noqa: F401  (registers torch_call_p's batching rule)
+from torchjax._convert import is_array
+from torchjax._errors import StaticArgumentError
 from torchjax._torch_call import (
     GRAD_METHODS,
     VMAP_METHODS,
@@ -18,6 +22,21 @@ from torchjax._torch_call import (
     UserFunction,
     torch_call_p,
 )
+
+
+def _raise_unhashable(user: UserFunction, args: tuple, kwargs: dict) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+        if is_array(leaf):
+            continue
+        try:
+            hash(leaf)
+        except TypeError:
+            raise StaticArgumentError(
+                f"{user.arg_path(path)} is a {type(leaf).__name__}, which is neither an array "
+                f"nor hashable. to_jax passes non-array leaves to {user.name} as static values, "
+                f"which must be hashable (they are part of the jit cache key). Pass it as an "
+                f"array, or as a tuple/frozenset instead."
+            ) from None
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -88,6 +107,11 @@ def to_jax(
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return torch_call_p.bind(args, kwargs, fn=user, options=options)
+        try:
+            return torch_call_p.bind(args, kwargs, fn=user, options=options)
+        except StaticArgumentError:
+            # bind names paths in its own (args, kwargs) pair; name them as the user wrote.
+            _raise_unhashable(user, args, kwargs)
+            raise
 
     return wrapped

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -120,61 +121,77 @@ def _abstract_eval(*args: Any, fn: Any, options: Options) -> Any:
         raise fn.fake_failure(e) from e
 
 
-def _out_signature(fn: Any, args: tuple, options: Options) -> tuple[Any, list, list[str]]:
-    """The output treedef, flat ShapeDtypeStructs and their paths (cached abstract eval)."""
-    out = torch_call_p.abstract_eval(*args, fn=fn, options=options)
-    with_path, out_tree = _tree.tree_flatten_with_path(out)
-    return out_tree, [s for _, s in with_path], ["out" + _tree.keystr(p) for p, _ in with_path]
+@functools.lru_cache(maxsize=1024)
+def _output_paths(out_tree: Any) -> list[str]:
+    """`out[...]` paths of the flat outputs, for messages (cached per output structure)."""
+    dummy = _tree.tree_unflatten(out_tree, range(out_tree.num_leaves))
+    return ["out" + _tree.keystr(p) for p, _ in _tree.tree_flatten_with_path(dummy)[0]]
 
 
-def _call_torch(fn: Any, args: tuple, tensors: list[torch.Tensor]) -> list[Any]:
+def _call_torch(fn: Any, args: tuple, tensors: list[torch.Tensor], out_tree: Any) -> list[Any]:
     """Call ``fn`` with `tensors` in the array positions of `args`; return flat outputs.
 
     Shared by the eager impl and the jit callback. Raises TorchCallError (with the
-    original type and message) if fn raises, and InPlaceMutationError if fn modified an
-    input after all (the fake run catches that first; version counters are the backstop).
+    original type and message) if fn raises, InPlaceMutationError if fn modified an input
+    after all (the fake run catches that first; version counters are the backstop), and
+    OutputMismatchError if the output's structure is not the declared one.
     """
     leaves, tree = _tree.tree_flatten(args)
     it = iter(tensors)
     leaves = [next(it) if _is_operand(x) else x for x in leaves]
     versions = [t._version for t in tensors]
+    grad_was_enabled = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)  # no autograd graph: JAX does the differentiating
     try:
-        with torch.no_grad():
-            out = fn(*_tree.tree_unflatten(tree, leaves))
+        out = fn(*_tree.tree_unflatten(tree, leaves))
     except TorchJaxError:
         raise
     except Exception as e:
         raise fn.call_failure(e) from e
+    finally:
+        torch.set_grad_enabled(grad_was_enabled)
     if any(t._version != v for t, v in zip(tensors, versions, strict=True)):
         paths = [
             fn.root.arg_path(p) for p, x in _tree.tree_flatten_with_path(args)[0] if _is_operand(x)
         ]
         check_versions(tensors, versions, paths, fn.root.name, "seen after the real call")
-    return _tree.tree_leaves(out)
+    results, got_tree = _tree.tree_flatten(out)
+    if got_tree != out_tree:
+        raise OutputMismatchError(
+            f"{fn.root.name} returned an output of structure {got_tree}, but {out_tree} was "
+            f"declared (result_shape_dtypes) or inferred (fake-tensor run)."
+        )
+    return results
 
 
-def _to_output_tensor(value: Any, struct: jax.ShapeDtypeStruct, where: str, name: str):
+def _to_output_tensor(value: Any, aval: Any, where: str, name: str) -> torch.Tensor:
     """A torch result as a tensor of the declared type (x64 narrowing is left to the copy)."""
-    want = torch_dtype(struct.dtype)
+    want = torch_dtype(aval.dtype)
     if not isinstance(value, torch.Tensor):
-        return torch.tensor(value, dtype=want)
-    if tuple(value.shape) != struct.shape or canonical_torch_dtype(value.dtype) != want:
+        if isinstance(value, bool | int | float | complex):
+            return torch.tensor(value, dtype=want)
+        raise OutputMismatchError(
+            f"{name} returned a {type(value).__name__} at {where}; a function wrapped by "
+            f"to_jax must return tensors, Python numbers, or pytrees of them."
+        )
+    if tuple(value.shape) != aval.shape or canonical_torch_dtype(value.dtype) != want:
         raise OutputMismatchError(
             f"{name} returned {str(value.dtype).removeprefix('torch.')}{list(value.shape)} at "
-            f"{where}, but {struct.dtype}{list(struct.shape)} was declared (result_shape_dtypes) "
+            f"{where}, but {aval.dtype}{list(aval.shape)} was declared (result_shape_dtypes) "
             f"or inferred (fake-tensor run). Make result_shape_dtypes match what the function "
             f"returns, or make the function's output independent of the input values."
         )
     return value
 
 
-@torch_call_p.def_impl
-def _impl(*args: Any, fn: Any, options: Options) -> Any:
+@torch_call_p.def_impl(out_types=True)
+def _impl(*args: Any, fn: Any, options: Options, out_types: Any) -> Any:
     """Eager: DLPack the JAX inputs to torch, call fn, DLPack the outputs back."""
-    operands = [x for x in _tree.tree_leaves(args) if _is_operand(x)]
-    tensors = [array_to_tensor(x) for x in operands]
-    results = _call_torch(fn, args, tensors)
-    out_tree, structs, paths = _out_signature(fn, args, options)
+    del options
+    structs, out_tree = _tree.tree_flatten(out_types)
+    tensors = [array_to_tensor(x) for x in _tree.tree_leaves(args) if _is_operand(x)]
+    results = _call_torch(fn, args, tensors, out_tree)
+    paths = _output_paths(out_tree)
     storages = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
     outs = []
     for value, struct, where in zip(results, structs, paths, strict=True):
@@ -185,18 +202,21 @@ def _impl(*args: Any, fn: Any, options: Options) -> Any:
     return _tree.tree_unflatten(out_tree, outs)
 
 
-@torch_call_p.def_lowering
-def _lowering(*args: Any, fn: Any, options: Options) -> Any:
+@torch_call_p.def_lowering(out_types=True)
+def _lowering(*args: Any, fn: Any, options: Options, out_types: Any) -> Any:
     """Under jit: a buffer_callback that runs fn on XLA's buffers (see _lowering.py)."""
+    del options
+    structs, out_tree = _tree.tree_flatten(out_types)
+    paths = _output_paths(out_tree)
     operands = [x for x in _tree.tree_leaves(args) if _is_operand(x)]
-    out_tree, structs, paths = _out_signature(fn, args, options)
+    name = fn.root.name
 
     def run(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        results = _call_torch(fn, args, tensors)
+        results = _call_torch(fn, args, tensors, out_tree)
         return [
-            _to_output_tensor(v, s, w, fn.root.name)
+            _to_output_tensor(v, s, w, name)
             for v, s, w in zip(results, structs, paths, strict=True)
         ]
 
-    outs = callback_call(run, operands, structs, paths, fn.root.name)
+    outs = callback_call(run, operands, structs, paths, name)
     return _tree.tree_unflatten(out_tree, outs)
