@@ -139,10 +139,14 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value") -> jax.Array:
 
     Returns:
       A ``jax.Array`` on the matching device. It aliases ``t``'s memory when ``t`` is
-      contiguous and 16-byte aligned and keeps its dtype; otherwise it is one copy.
+      contiguous and 64-byte aligned and keeps its dtype; otherwise it is one copy.
     """
     if t.requires_grad:
         t = t.detach()
+    if t.layout != torch.strided:
+        raise ConversionError(
+            f"{where} is a {t.layout} tensor, which DLPack cannot carry; call .to_dense() first."
+        )
     jax_dtype(t.dtype)  # raise early, with the table, for unsupported dtypes
     narrow = canonical_torch_dtype(t.dtype)
     if narrow is not t.dtype:
@@ -152,14 +156,31 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value") -> jax.Array:
     if t.is_neg():
         t = t.resolve_neg()
     if t.device.type == "cpu":
-        if not t.is_contiguous() or t.data_ptr() % 16:
-            t = t.contiguous() if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+        if not t.is_contiguous() or t.data_ptr() % 64:
+            # XLA aliases only dense, 64-byte aligned memory; anything else is copied once.
+            t = t.clone(memory_format=torch.contiguous_format)
         capsule = torch.utils.dlpack.to_dlpack(t)
         return _jax.dlpack_managed_tensor_to_buffer(capsule, _jax_cpu_device(), None, None, _DL_CPU)
     if not t.is_contiguous():
         t = t.contiguous()
     # Off the CPU, jax.dlpack negotiates the stream hand-over; its overhead is small there.
     return jax.dlpack.from_dlpack(t)
+
+
+def _numpy_to_tensor(a: np.ndarray) -> torch.Tensor:
+    """A numpy array as a torch tensor, aliasing its memory where torch can.
+
+    Raises ConversionError (with the table) for dtypes outside it, including non-native byte
+    order. torch.from_numpy cannot alias read-only memory, negative strides or strides that
+    are not a multiple of the item size, so those are copied once; it also does not know
+    ml_dtypes' bfloat16, so bfloat16 goes through a 16-bit view of the same bits.
+    """
+    dtype = torch_dtype(a.dtype)
+    if not a.flags.writeable or any(s < 0 or s % a.itemsize for s in a.strides):
+        a = a.copy()  # C-contiguous
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def array_to_tensor(a: Any, where: str = "value") -> torch.Tensor:
@@ -169,10 +190,7 @@ def array_to_tensor(a: Any, where: str = "value") -> torch.Tensor:
     array, so callers must treat it as read-only (to_jax enforces this for torch code).
     """
     if isinstance(a, np.ndarray):
-        torch_dtype(a.dtype)
-        if not a.flags.writeable:
-            a = a.copy()  # torch cannot alias read-only numpy memory; one copy
-        return torch.from_numpy(a)
+        return _numpy_to_tensor(a)
     if isinstance(a, jax.core.Tracer):
         raise ConversionError(
             f"{where} is a traced JAX value ({a.aval}); it has no data to convert. Call torch "
@@ -225,9 +243,7 @@ def tree_to_jax(tree: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return tensor_to_jax(x, _leaf_path(path))
         if isinstance(x, np.ndarray):
-            if not x.flags.writeable:
-                x = x.copy()
-            return tensor_to_jax(torch.from_numpy(x), _leaf_path(path))
+            return tensor_to_jax(_numpy_to_tensor(x), _leaf_path(path))
         return x
 
     return jax.tree_util.tree_map_with_path(convert, tree)
