@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from torchjax._convert import narrow_checked, torch_dtype
-from torchjax._errors import OutputMismatchError
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -32,31 +31,30 @@ USE_BUFFER_CALLBACK = buffer_callback is not None
 Run = Callable[[list[torch.Tensor]], Sequence[Any]]
 
 
-def _buffer_to_tensor(buf: Any) -> torch.Tensor:
-    if buf.__dlpack_device__()[0] == 1:  # kDLCPU: the capsule path skips stream handling
-        return torch.utils.dlpack.from_dlpack(buf.__dlpack__())
-    return torch.from_dlpack(buf)
+_DL_CPU = 1  # DLPack's kDLCPU
 
 
-def write_output(dst: torch.Tensor, value: Any, where: str, name: str) -> None:
-    """Copy one torch result into XLA's output tensor, checking shape and dtype exactly."""
-    if not isinstance(value, torch.Tensor):
-        dst.fill_(value)
-        return
-    if tuple(value.shape) != tuple(dst.shape):
-        raise OutputMismatchError(
-            f"{name} returned shape {list(value.shape)} at {where}, but {list(dst.shape)} was "
-            f"declared or inferred. Fix result_shape_dtypes, or the function."
-        )
-    if value.dtype != dst.dtype:  # only x64 narrowing gets here (callers check the type)
+def _cpu_buffer_to_tensor(buf: Any) -> torch.Tensor:
+    # The capsule path: on CPU there is no stream to negotiate.
+    return torch.utils.dlpack.from_dlpack(buf.__dlpack__())
+
+
+def write_output(dst: torch.Tensor, value: torch.Tensor, where: str) -> None:
+    """Copy one checked torch result into XLA's output buffer (the one copy on this path).
+
+    `run` has checked shape and dtype; a dtype that still differs is a 64-bit result
+    narrowed because JAX's x64 mode is off, and it must fit.
+    """
+    if value.dtype is not dst.dtype:
         value = narrow_checked(value, dst.dtype, where)
     dst.copy_(value)
 
 
-def _gpu_stream(ctx: Any, tensors: list[torch.Tensor]) -> contextlib.AbstractContextManager:
-    if tensors and tensors[0].is_cuda:
-        return torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream, device=tensors[0].device))
-    return contextlib.nullcontext()
+def _xla_stream(ctx: Any, buf: Any) -> contextlib.AbstractContextManager:
+    """Make XLA's stream torch's current stream: torch's kernels then run in XLA's order,
+    after the producers of the inputs and before the consumers of the outputs."""
+    device = torch.device("cuda", buf.__dlpack_device__()[1])
+    return torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream, device=device))
 
 
 def callback_call(
@@ -64,20 +62,25 @@ def callback_call(
     operands: Sequence[Any],
     out_structs: Sequence[jax.ShapeDtypeStruct],
     out_paths: Sequence[str],
-    name: str,
 ) -> list[Any]:
     """Stage a host call of `run` into the current JAX trace; returns the flat outputs."""
     if not USE_BUFFER_CALLBACK:
-        return _pure_callback_call(run, operands, out_structs, out_paths, name)
+        return _pure_callback_call(run, operands, out_structs, out_paths)
 
     def host(ctx: Any, outs: list, *ins: Any) -> None:
-        tensors = [_buffer_to_tensor(b) for b in ins]
-        with _gpu_stream(ctx, tensors):
-            results = run(tensors)
-            for buf, value, where in zip(outs, results, out_paths, strict=True):
-                write_output(_buffer_to_tensor(buf), value, where, name)
+        if (ins or outs)[0].__dlpack_device__()[0] == _DL_CPU:
+            _run_into(run, ins, outs, out_paths, _cpu_buffer_to_tensor)
+        else:
+            with _xla_stream(ctx, (ins or outs)[0]):
+                _run_into(run, ins, outs, out_paths, torch.from_dlpack)
 
     return buffer_callback(host, list(out_structs))(*operands)
+
+
+def _run_into(run: Run, ins: Sequence, outs: Sequence, out_paths: Sequence[str], wrap) -> None:
+    results = run([wrap(b) for b in ins])
+    for buf, value, where in zip(outs, results, out_paths, strict=True):
+        write_output(wrap(buf), value, where)
 
 
 def _numpy_to_tensor(a: np.ndarray) -> torch.Tensor:
@@ -87,13 +90,13 @@ def _numpy_to_tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-def _pure_callback_call(run, operands, out_structs, out_paths, name):
+def _pure_callback_call(run, operands, out_structs, out_paths):
     def host(*arrays: np.ndarray) -> list[np.ndarray]:
         tensors = [_numpy_to_tensor(a) for a in arrays]
         results = []
         for s, value, where in zip(out_structs, run(tensors), out_paths, strict=True):
             dst = torch.empty(s.shape, dtype=torch_dtype(s.dtype))
-            write_output(dst, value, where, name)
+            write_output(dst, value, where)
             if dst.dtype == torch.bfloat16:  # numpy has no bfloat16; reinterpret the bits
                 results.append(dst.view(torch.int16).numpy().view(s.dtype))
             else:

@@ -128,95 +128,137 @@ def _output_paths(out_tree: Any) -> list[str]:
     return ["out" + _tree.keystr(p) for p, _ in _tree.tree_flatten_with_path(dummy)[0]]
 
 
-def _call_torch(fn: Any, args: tuple, tensors: list[torch.Tensor], out_tree: Any) -> list[Any]:
-    """Call ``fn`` with `tensors` in the array positions of `args`; return flat outputs.
+class _CallPlan:
+    """What one call signature fixes: where the tensors go, what must come out.
 
-    Shared by the eager impl and the jit callback. Raises TorchCallError (with the
-    original type and message) if fn raises, InPlaceMutationError if fn modified an input
-    after all (the fake run catches that first; version counters are the backstop), and
-    OutputMismatchError if the output's structure is not the declared one.
+    Built once per (function, argument structure, static leaves, output types): once per
+    jit lowering, and cached for eager calls, so a call only fills in tensors, runs fn and
+    checks the outputs. Shared by the eager impl and the jit callback.
     """
-    leaves, tree = _tree.tree_flatten(args)
-    it = iter(tensors)
-    leaves = [next(it) if _is_operand(x) else x for x in leaves]
-    versions = [t._version for t in tensors]
-    grad_was_enabled = torch.is_grad_enabled()
-    torch.set_grad_enabled(False)  # no autograd graph: JAX does the differentiating
-    try:
-        out = fn(*_tree.tree_unflatten(tree, leaves))
-    except TorchJaxError:
-        raise
-    except Exception as e:
-        raise fn.call_failure(e) from e
-    finally:
-        torch.set_grad_enabled(grad_was_enabled)
-    if any(t._version != v for t, v in zip(tensors, versions, strict=True)):
-        paths = [
-            fn.root.arg_path(p) for p, x in _tree.tree_flatten_with_path(args)[0] if _is_operand(x)
-        ]
-        check_versions(tensors, versions, paths, fn.root.name, "seen after the real call")
-    results, got_tree = _tree.tree_flatten(out)
-    if got_tree != out_tree:
+
+    def __init__(self, fn: Any, in_tree: Any, template: tuple, structs: tuple, out_tree: Any):
+        self.fn, self.name = fn, fn.root.name
+        self.in_tree, self.out_tree = in_tree, out_tree
+        self.template = list(template)
+        self.positions = [i for i, x in enumerate(template) if x is _TENSOR]
+        self.structs = structs
+        self.out_dtypes = [torch_dtype(s.dtype) for s in structs]
+        self.out_shapes = [tuple(s.shape) for s in structs]
+        self.out_paths = _output_paths(out_tree)
+
+    def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run fn on `tensors`; return its flat outputs as tensors of the declared shapes.
+
+        Raises TorchCallError (with the original type and message) if fn raises,
+        InPlaceMutationError if fn modified an input after all (the fake run catches that
+        first; version counters are the backstop), and OutputMismatchError if an output
+        differs from the declared or inferred one. Outputs may still be 64-bit where JAX's
+        x64 mode is off: the conversion that follows narrows them.
+        """
+        leaves = self.template.copy()
+        for i, t in zip(self.positions, tensors, strict=True):
+            leaves[i] = t
+        versions = [t._version for t in tensors]
+        grad_was_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # no autograd graph: JAX does the differentiating
+        try:
+            out = self.fn(*_tree.tree_unflatten(self.in_tree, leaves))
+        except TorchJaxError:
+            raise
+        except Exception as e:
+            raise self.fn.call_failure(e) from e
+        finally:
+            torch._C._set_grad_enabled(grad_was_enabled)
+        for t, v in zip(tensors, versions, strict=True):
+            if t._version != v:
+                self._raise_mutated(tensors, versions)
+        results, got_tree = _tree.tree_flatten(out)
+        if got_tree != self.out_tree:
+            raise OutputMismatchError(
+                f"{self.name} returned an output of structure {got_tree}, but {self.out_tree} "
+                f"was declared (result_shape_dtypes) or inferred (fake-tensor run)."
+            )
+        for k, value in enumerate(results):
+            if not isinstance(value, torch.Tensor) or value.dtype is not self.out_dtypes[k]:
+                results[k] = self._coerce(k, value)
+            elif value.shape != self.out_shapes[k]:
+                self._raise_mismatch(k, value)
+        return results
+
+    def _coerce(self, k: int, value: Any) -> torch.Tensor:
+        want = self.out_dtypes[k]
+        if not isinstance(value, torch.Tensor):
+            if isinstance(value, bool | int | float | complex):
+                return torch.tensor(value, dtype=want)
+            raise OutputMismatchError(
+                f"{self.name} returned a {type(value).__name__} at {self.out_paths[k]}; a "
+                f"function wrapped by to_jax must return tensors, Python numbers, or pytrees "
+                f"of them."
+            )
+        if value.shape != self.out_shapes[k] or canonical_torch_dtype(value.dtype) != want:
+            self._raise_mismatch(k, value)
+        return value
+
+    def _raise_mismatch(self, k: int, value: torch.Tensor) -> None:
+        s = self.structs[k]
         raise OutputMismatchError(
-            f"{fn.root.name} returned an output of structure {got_tree}, but {out_tree} was "
-            f"declared (result_shape_dtypes) or inferred (fake-tensor run)."
+            f"{self.name} returned {str(value.dtype).removeprefix('torch.')}"
+            f"{list(value.shape)} at {self.out_paths[k]}, but {s.dtype}{list(s.shape)} was "
+            f"declared (result_shape_dtypes) or inferred (fake-tensor run). Make "
+            f"result_shape_dtypes match what the function returns, or make the function's "
+            f"output independent of the input values."
         )
-    return results
+
+    def _raise_mutated(self, tensors: list, versions: list) -> None:
+        dummy = _tree.tree_unflatten(self.in_tree, range(self.in_tree.num_leaves))
+        paths = dict((i, p) for p, i in _tree.tree_flatten_with_path(dummy)[0])
+        names = [self.fn.root.arg_path(paths[i]) for i in self.positions]
+        check_versions(tensors, versions, names, self.name, "seen after the real call")
 
 
-def _to_output_tensor(value: Any, aval: Any, where: str, name: str) -> torch.Tensor:
-    """A torch result as a tensor of the declared type (x64 narrowing is left to the copy)."""
-    want = torch_dtype(aval.dtype)
-    if not isinstance(value, torch.Tensor):
-        if isinstance(value, bool | int | float | complex):
-            return torch.tensor(value, dtype=want)
-        raise OutputMismatchError(
-            f"{name} returned a {type(value).__name__} at {where}; a function wrapped by "
-            f"to_jax must return tensors, Python numbers, or pytrees of them."
-        )
-    if tuple(value.shape) != aval.shape or canonical_torch_dtype(value.dtype) != want:
-        raise OutputMismatchError(
-            f"{name} returned {str(value.dtype).removeprefix('torch.')}{list(value.shape)} at "
-            f"{where}, but {aval.dtype}{list(aval.shape)} was declared (result_shape_dtypes) "
-            f"or inferred (fake-tensor run). Make result_shape_dtypes match what the function "
-            f"returns, or make the function's output independent of the input values."
-        )
-    return value
+class _TensorSlot:
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+_TENSOR = _TensorSlot()
+
+
+def _plan_parts(args: tuple, out_types: Any) -> tuple:
+    leaves, in_tree = _tree.tree_flatten(args)
+    operands = [x for x in leaves if _is_operand(x)]
+    template = tuple(_TENSOR if _is_operand(x) else x for x in leaves)
+    structs, out_tree = _tree.tree_flatten(out_types)
+    return operands, in_tree, template, tuple(structs), out_tree
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_plan(fn: Any, in_tree: Any, template: tuple, structs: tuple, out_tree: Any):
+    return _CallPlan(fn, in_tree, template, structs, out_tree)
 
 
 @torch_call_p.def_impl(out_types=True)
 def _impl(*args: Any, fn: Any, options: Options, out_types: Any) -> Any:
     """Eager: DLPack the JAX inputs to torch, call fn, DLPack the outputs back."""
     del options
-    structs, out_tree = _tree.tree_flatten(out_types)
-    tensors = [array_to_tensor(x) for x in _tree.tree_leaves(args) if _is_operand(x)]
-    results = _call_torch(fn, args, tensors, out_tree)
-    paths = _output_paths(out_tree)
+    operands, *parts = _plan_parts(args, out_types)
+    plan = _cached_plan(fn, *parts)
+    tensors = [array_to_tensor(x) for x in operands]
+    results = plan(tensors)
     storages = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
     outs = []
-    for value, struct, where in zip(results, structs, paths, strict=True):
-        value = _to_output_tensor(value, struct, where, fn.root.name)
+    for value, where in zip(results, plan.out_paths, strict=True):
         if value.numel() and value.untyped_storage().data_ptr() in storages:
             value = value.clone()  # an output aliasing an input would share its JAX buffer
         outs.append(tensor_to_jax(value, where))
-    return _tree.tree_unflatten(out_tree, outs)
+    return _tree.tree_unflatten(plan.out_tree, outs)
 
 
 @torch_call_p.def_lowering(out_types=True)
 def _lowering(*args: Any, fn: Any, options: Options, out_types: Any) -> Any:
     """Under jit: a buffer_callback that runs fn on XLA's buffers (see _lowering.py)."""
     del options
-    structs, out_tree = _tree.tree_flatten(out_types)
-    paths = _output_paths(out_tree)
-    operands = [x for x in _tree.tree_leaves(args) if _is_operand(x)]
-    name = fn.root.name
-
-    def run(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        results = _call_torch(fn, args, tensors, out_tree)
-        return [
-            _to_output_tensor(v, s, w, name)
-            for v, s, w in zip(results, structs, paths, strict=True)
-        ]
-
-    outs = callback_call(run, operands, structs, paths, name)
-    return _tree.tree_unflatten(out_tree, outs)
+    operands, *parts = _plan_parts(args, out_types)
+    plan = _CallPlan(fn, *parts)
+    outs = callback_call(plan, operands, plan.structs, plan.out_paths)
+    return _tree.tree_unflatten(plan.out_tree, outs)
