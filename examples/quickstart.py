@@ -10,11 +10,16 @@ import torch
 
 import torchjax
 
-
 # 1. Zero-copy conversion of whole pytrees.
-params_torch = {"w": torch.randn(3, 2, generator=torch.Generator().manual_seed(0)), "b": torch.zeros(2)}
+params_torch = {
+    "w": torch.randn(3, 2, generator=torch.Generator().manual_seed(0)),
+    "b": torch.zeros(2),
+}
 params = torchjax.tree_to_jax(params_torch)  # {'w': [3, 2], 'b': [2]} as jax.Array
-print("tree_to_jax shares memory:", params["w"].unsafe_buffer_pointer() == params_torch["w"].data_ptr())
+print(
+    "tree_to_jax shares memory:",
+    params["w"].unsafe_buffer_pointer() == params_torch["w"].data_ptr(),
+)
 
 
 # 2. A torch function taking a dict of tensors, wrapped for JAX.

@@ -1,0 +1,441 @@
+# to_torch: call a JAX function from PyTorch, with autograd and torch.func support.
+#
+# A call flattens its arguments into tensor leaves and static leaves, and looks up a `_Spec`
+# for the signature (tree structure, static values, shapes, dtypes, x64 mode). A spec holds
+# one *flat* JAX function -- arrays in, tuple of arrays out -- and its jitted form. Every
+# derived function is again a flat JAX function in a spec: the vjp (torch's backward), the
+# jvp (forward mode), jax.vmap'ed versions (torch.func.vmap). All of them run through the
+# one `_JaxFunction` autograd.Function, so the rules compose: backward of backward, vmap of
+# grad and jvp of vjp need no special cases. Data crosses through DLPack (`_convert`).
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.autograd.forward_ad as _forward_ad
+
+from torchjax._convert import array_to_tensor, canonical_jax_dtype, tensor_to_jax, torch_dtype
+from torchjax._errors import ConversionError, JaxOutputError, StaticArgumentError
+
+_tree = jax.tree_util
+
+__all__ = ["to_torch"]
+
+
+_TENSOR = object()  # marks a tensor's position among the static leaves
+
+_STATIC_ARRAY = """\
+{path} is a {kind}. to_torch sends torch tensors to JAX and treats every other leaf as a
+static (compile-time, hashable) value, which an array cannot be. Pass a torch tensor:
+    wrapped(x)                         # x: torch.Tensor
+    wrapped(torch.from_numpy(x))       # numpy array
+    wrapped(torchjax.tree_to_torch(x)) # jax.Array, zero-copy"""
+
+_STATIC_UNHASHABLE = """\
+{path} is a {kind}, which is not hashable. to_torch treats every non-tensor leaf as a
+static value and compiles the JAX function once per distinct value, so it must be
+hashable. Pass it as a torch tensor if it is data, or use a hashable type (a tuple instead
+of a set, a frozen dataclass), or register its type as a pytree node
+(jax.tree_util.register_pytree_node) so that its contents become leaves."""
+
+_BAD_OUTPUT = """\
+to_torch({name}): output{path} is a {kind}; a JAX function called through to_torch must
+return a pytree of arrays, since only arrays can become torch tensors. Return static values
+some other way, e.g. compute them outside the JAX function."""
+
+
+def _arg_path(path: tuple) -> str:
+    """`args[0]['a']` / `kwargs['x']` for a key path into the `(args, kwargs)` pair."""
+    head = "args" if path[0].idx == 0 else "kwargs"
+    return head + _tree.keystr(path[1:])
+
+
+def _is_diff(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+class _Spec:
+    """A flat JAX function at one input signature, with its jitted form and derivatives.
+
+    `fn` takes one array per entry of `in_avals` and returns a tuple of arrays. Derived
+    specs (vjp, jvp, vmap) are built on first use and cached here, so each is traced and
+    compiled once.
+    """
+
+    def __init__(self, name: str, fn: Callable, in_avals: list, paths: list[str]):
+        self.name, self.fn = name, fn
+        self.in_avals, self.in_paths = tuple(in_avals), tuple(paths)
+        self.jitted = jax.jit(fn)
+        try:
+            # Shapes without running: torch needs them to mark outputs and for fake kernels.
+            self.out_avals = tuple(jax.eval_shape(self.jitted, *self.in_avals))
+        except Exception as e:
+            pairs = zip(paths, in_avals, strict=True)
+            sig = ", ".join(f"{p}: {a.dtype}{list(a.shape)}" for p, a in pairs)
+            e.add_note(f"(while tracing {name} for torchjax.to_torch with {sig})")
+            raise
+        try:
+            self.out_dtypes = tuple(torch_dtype(a.dtype) for a in self.out_avals)
+        except ConversionError as e:
+            raise JaxOutputError(f"{name}: an output has no torch dtype: {e}") from None
+        self.diff_in = tuple(_is_diff(a.dtype) for a in self.in_avals)
+        self.diff_out = tuple(_is_diff(a.dtype) for a in self.out_avals)
+        self.out_specs = tuple(zip(self.out_avals, self.out_dtypes, strict=True))
+        self._derived: dict[Any, _Spec] = {}
+        self.op_id: int | None = None
+
+    def __repr__(self) -> str:
+        return f"<torchjax spec {self.name}>"
+
+    def run(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Call the jitted function on real tensors; zero-copy in and out."""
+        arrays = [tensor_to_jax(t, p) for t, p in zip(tensors, self.in_paths, strict=True)]
+        outs = self.jitted(*arrays)
+        # Outputs are fresh XLA buffers unless XLA forwarded an input or deduplicated two
+        # outputs; torch must not see two tensors that secretly share memory, so copy then.
+        seen = {t.data_ptr() for t in tensors}
+        result = []
+        for o in outs:
+            t = array_to_tensor(o, f"{self.name} output")
+            if t.numel():
+                if t.data_ptr() in seen:
+                    t = t.clone()
+                seen.add(t.data_ptr())
+            result.append(t)
+        return tuple(result)
+
+    def _derive(self, key: Any, build: Callable[[], _Spec]) -> _Spec:
+        spec = self._derived.get(key)
+        if spec is None:
+            spec = self._derived[key] = build()
+        return spec
+
+    def _restricted(self, wrt: tuple[int, ...]) -> Callable:
+        """`f(primals, *x)`: the differentiable outputs as functions of the inputs `wrt`."""
+        fn, diff_out = self.fn, self.diff_out
+
+        def f(primals: tuple, *x: Any) -> tuple:
+            full = list(primals)
+            for i, xi in zip(wrt, x, strict=True):
+                full[i] = xi
+            outs = fn(*full)
+            return tuple(o for o, d in zip(outs, diff_out, strict=True) if d)
+
+        return f
+
+    def vjp(self, wrt: tuple[int, ...]) -> _Spec:
+        """Spec of `(*primals, *cotangents of diff outputs) -> grads of inputs wrt`.
+
+        Torch's complex convention is the conjugate of JAX's (torch's backward returns the
+        conjugate Wirtinger gradient), hence the conjugations around `jax.vjp`.
+        """
+
+        def build() -> _Spec:
+            n, f = len(self.in_avals), self._restricted(wrt)
+
+            def vjp_fn(*arrays: Any) -> tuple:
+                primals = arrays[:n]
+                _, pull = jax.vjp(functools.partial(f, primals), *(primals[i] for i in wrt))
+                grads = pull(tuple(jnp.conj(c) for c in arrays[n:]))
+                return tuple(jnp.conj(g) for g in grads)
+
+            cts = [a for a, d in zip(self.out_avals, self.diff_out, strict=True) if d]
+            paths = [*self.in_paths, *(f"cotangent[{i}]" for i in range(len(cts)))]
+            return _Spec(f"vjp({self.name})", vjp_fn, [*self.in_avals, *cts], paths)
+
+        return self._derive(("vjp", wrt), build)
+
+    def jvp(self, wrt: tuple[int, ...]) -> _Spec:
+        """Spec of `(*primals, *tangents of inputs wrt) -> tangents of diff outputs`."""
+
+        def build() -> _Spec:
+            n, f = len(self.in_avals), self._restricted(wrt)
+
+            def jvp_fn(*arrays: Any) -> tuple:
+                primals = arrays[:n]
+                diff_primals = tuple(primals[i] for i in wrt)
+                _, t_out = jax.jvp(functools.partial(f, primals), diff_primals, arrays[n:])
+                return tuple(t_out)
+
+            tangents = [self.in_avals[i] for i in wrt]
+            paths = [*self.in_paths, *(f"tangent[{i}]" for i in wrt)]
+            return _Spec(f"jvp({self.name})", jvp_fn, [*self.in_avals, *tangents], paths)
+
+        return self._derive(("jvp", wrt), build)
+
+    def batched(self, in_dims: tuple[int | None, ...], size: int) -> _Spec:
+        """Spec of the function `jax.vmap`ed over `in_dims`; every output batched at 0."""
+
+        def build() -> _Spec:
+            fn = jax.vmap(self.fn, in_axes=in_dims, out_axes=0, axis_size=size)
+            avals = []
+            for a, d in zip(self.in_avals, in_dims, strict=True):
+                if d is not None:
+                    a = jax.ShapeDtypeStruct((*a.shape[:d], size, *a.shape[d:]), a.dtype)
+                avals.append(a)
+            return _Spec(f"vmap({self.name})", fn, avals, list(self.in_paths))
+
+        return self._derive(("vmap", in_dims, size), build)
+
+
+# torch.compile: tracing runs the function on fake tensors, which have no data for JAX.
+# There `forward` calls one opaque custom op instead, whose fake kernel answers with the
+# spec's output shapes; the int argument finds the spec again when the graph runs.
+_OP_SPECS: list[_Spec] = []
+_op: Any = None
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FX_CONTAINERS = (
+    torch.fx.immutable_collections.immutable_dict,
+    torch.fx.immutable_collections.immutable_list,
+)
+
+
+def _jax_call_op() -> Any:
+    """The `torchjax::jax_call` custom op, registered on first use (not at import)."""
+    global _op
+    if _op is None:
+
+        @torch.library.custom_op("torchjax::jax_call", mutates_args=())
+        def jax_call(tensors: list[torch.Tensor], spec_id: int) -> list[torch.Tensor]:
+            return list(_OP_SPECS[spec_id].run(tuple(tensors)))
+
+        @jax_call.register_fake
+        def _(tensors: list[torch.Tensor], spec_id: int) -> list[torch.Tensor]:
+            dev = tensors[0].device if tensors else None
+            return [
+                torch.empty(a.shape, dtype=d, device=dev) for a, d in _OP_SPECS[spec_id].out_specs
+            ]
+
+        _op = jax_call
+    return _op
+
+
+def _thaw(tree: Any) -> Any:
+    """fx's immutable dict/list (how torch.compile passes containers) as plain ones, which
+    jax's pytree registry knows; it would treat the fx types as opaque static leaves."""
+    if isinstance(tree, dict):
+        return {k: _thaw(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_thaw(v) for v in tree]
+    return tuple(map(_thaw, tree)) if type(tree) is tuple else tree
+
+
+def _run(spec: _Spec, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    if all(type(t) in _PLAIN for t in tensors):
+        return spec.run(tensors)
+    # Fake or functional tensors: torch.compile is tracing.
+    if spec.op_id is None:
+        spec.op_id = len(_OP_SPECS)
+        _OP_SPECS.append(spec)
+    return tuple(_jax_call_op()(list(tensors), spec.op_id))
+
+
+class _JaxFunction(torch.autograd.Function):
+    """Runs a `_Spec` on tensors; its rules call derived specs through this same class."""
+
+    @staticmethod
+    def forward(spec: _Spec, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Contract: plain tensors in (torch unwraps transforms); one tensor per output."""
+        return _run(spec, tensors)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        spec, *tensors = inputs
+        ctx.spec = spec
+        ctx.save_for_backward(*tensors)
+        ctx.save_for_forward(*tensors)
+        nondiff = [o for o, d in zip(output, spec.diff_out, strict=True) if not d]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple:
+        """Contract: one cotangent per output (zeros where unused); returns one gradient
+        per forward input, `None` for the spec and for inputs that need none."""
+        spec = ctx.spec
+        needs = ctx.needs_input_grad[1:]
+        wrt = tuple(i for i, d in enumerate(spec.diff_in) if d and needs[i])
+        grads: list[torch.Tensor | None] = [None] * len(spec.in_avals)
+        if wrt:
+            cts = [c for c, d in zip(cotangents, spec.diff_out, strict=True) if d]
+            # Through _JaxFunction again, so that the backward is itself differentiable.
+            outs = _JaxFunction.apply(spec.vjp(wrt), *ctx.saved_tensors, *cts)
+            for i, g in zip(wrt, outs, strict=True):
+                grads[i] = g
+        return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, spec_tangent: None, *tangents: torch.Tensor | None) -> tuple:
+        """Contract: one tangent (or `None`) per forward input; returns one tangent per
+        output, `None` for non-differentiable outputs."""
+        del spec_tangent
+        spec = ctx.spec
+        wrt = tuple(i for i, d in enumerate(spec.diff_in) if d and tangents[i] is not None)
+        primals = ctx.saved_tensors
+        if wrt:
+            ts = [tangents[i] for i in wrt]
+            outs = iter(_JaxFunction.apply(spec.jvp(wrt), *primals, *ts))
+        else:  # tangents only for integer inputs: every output tangent is zero
+            dev = primals[0].device
+            outs = (torch.zeros(a.shape, dtype=d, device=dev) for a, d in spec.out_specs)
+        return tuple(next(outs) if d else None for d in spec.diff_out)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, spec: _Spec, *tensors: torch.Tensor) -> tuple:
+        """Contract: `in_dims` has one entry per forward input (`None`: unbatched); returns
+        the batched outputs and their batch dims. One batched JAX call via jax.vmap."""
+        dims = tuple(in_dims[1:])
+        if all(d is None for d in dims):
+            return _JaxFunction.apply(spec, *tensors), (None,) * len(spec.out_avals)
+        outs = _JaxFunction.apply(spec.batched(dims, info.batch_size), *tensors)
+        return outs, (0,) * len(outs)
+
+
+def _needs_autograd(tensors: list[torch.Tensor]) -> bool:
+    """Whether a call must go through autograd.Function (otherwise run the spec directly)."""
+    if torch._C._are_functorch_transforms_active() or _forward_ad._current_level >= 0:
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _build_spec(jax_fn: Callable, name: str, args: tuple, kwargs: dict) -> tuple[_Spec, Any]:
+    """Validate a new signature and build its spec; returns it with the output treedef."""
+    path_leaves, treedef = _tree.tree_flatten_with_path((args, kwargs))
+    statics: list[Any] = []
+    avals, paths = [], []
+    for path, leaf in path_leaves:
+        where = _arg_path(path)
+        if isinstance(leaf, torch.Tensor):
+            try:
+                dtype = canonical_jax_dtype(leaf.dtype)
+            except ConversionError as e:
+                raise ConversionError(f"to_torch({name}): {where}: {e}") from None
+            statics.append(_TENSOR)
+            # int(): torch.compile's symbolic sizes become concrete (a recompile guard);
+            # XLA compiles for static shapes only.
+            avals.append(jax.ShapeDtypeStruct(tuple(int(d) for d in leaf.shape), dtype))
+            paths.append(where)
+            continue
+        if isinstance(leaf, jax.Array | np.ndarray | np.generic):
+            kind = f"{type(leaf).__module__}.{type(leaf).__qualname__}"
+            raise StaticArgumentError(_STATIC_ARRAY.format(path=where, kind=kind))
+        try:
+            hash(leaf)
+        except TypeError:
+            kind = type(leaf).__qualname__
+            raise StaticArgumentError(_STATIC_UNHASHABLE.format(path=where, kind=kind)) from None
+        statics.append(leaf)
+
+    out_tree: list[Any] = []
+
+    def flat_fn(*arrays: Any) -> tuple:
+        it = iter(arrays)
+        leaves = [next(it) if s is _TENSOR else s for s in statics]
+        a, kw = _tree.tree_unflatten(treedef, leaves)
+        out = jax_fn(*a, **kw)
+        out_leaves, tree = _tree.tree_flatten(out)
+        for path, o in _tree.tree_flatten_with_path(out)[0]:
+            if not isinstance(o, jax.Array | np.ndarray | np.generic | int | float | complex):
+                kind = type(o).__qualname__
+                raise JaxOutputError(
+                    _BAD_OUTPUT.format(name=name, path=_tree.keystr(path), kind=kind)
+                )
+        out_tree[:] = [tree]
+        return tuple(out_leaves)
+
+    spec = _Spec(f"to_torch({name})", flat_fn, avals, paths)
+    return spec, out_tree[0]
+
+
+def to_torch(jax_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a JAX function so that PyTorch can call it, differentiate it and batch it.
+
+    The wrapper takes the same arguments as ``jax_fn``, with torch tensors where ``jax_fn``
+    takes arrays, nested in any pytrees, positionally or by keyword. Tensors cross to JAX
+    and back through DLPack without copies; every other leaf is a static value baked into
+    the compiled function. ``jax_fn`` is compiled with ``jax.jit`` once per signature
+    (tree structure, static values, shapes and dtypes) and cached.
+
+    Autograd works in reverse mode (``backward`` through ``jax.vjp``, to any order) and
+    forward mode (``jax.jvp``); ``torch.func.grad``, ``vjp``, ``jvp``, ``jacrev``,
+    ``jacfwd``, ``hessian`` and ``vmap`` work in any nesting, ``vmap`` as one batched JAX
+    call through ``jax.vmap``. Integer and boolean outputs are non-differentiable.
+
+    Args:
+      jax_fn: a function of JAX arrays (pytrees allowed) returning a pytree of arrays.
+        It must be pure, as for ``jax.jit``.
+
+    Returns:
+      A function of torch tensors returning the same pytree structure as ``jax_fn``, with
+      torch tensors on the inputs' device in place of arrays.
+
+    Raises:
+      StaticArgumentError: a non-tensor leaf is an array or is unhashable.
+      ConversionError: a tensor has a dtype JAX lacks, or does not fit while x64 is off.
+      JaxOutputError: ``jax_fn`` returned something other than arrays.
+
+    Example:
+      >>> import jax.numpy as jnp, torch
+      >>> from torchjax import to_torch
+      >>> @to_torch
+      ... def energy(params, x):                    # {"w": [3, 2]}, [N, 3] -> [N]
+      ...     return jnp.sum(jnp.tanh(x @ params["w"]) ** 2, axis=-1)
+      >>> params = {"w": torch.randn(3, 2, requires_grad=True)}
+      >>> energy(params, torch.randn(5, 3)).sum().backward()
+      >>> params["w"].grad.shape
+      torch.Size([3, 2])
+    """
+    if not callable(jax_fn):
+        raise TypeError(f"to_torch(jax_fn): expected a JAX function, got {type(jax_fn).__name__}.")
+    name = getattr(jax_fn, "__qualname__", None) or type(jax_fn).__qualname__
+    cache: dict[tuple, tuple[_Spec, Any]] = {}
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = _tree.tree_flatten((args, kwargs))
+        tensors = []
+        key: list[Any] = [treedef, jax.config.jax_enable_x64]
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                tensors.append(leaf)
+                key += (leaf.shape, leaf.dtype)
+            else:
+                if type(leaf) in _FX_CONTAINERS:
+                    return call(*_thaw(args), **_thaw(kwargs))
+                # The type too: 1, 1.0 and True are equal, but trace differently.
+                key += (type(leaf), leaf)
+        try:
+            hit = cache.get(tuple(key))
+        except TypeError:  # an unhashable static (_build_spec says which) or symbolic shape
+            key = None
+            hit = None
+        if hit is None:
+            hit = _build_spec(jax_fn, name, args, kwargs)
+            if key is not None:
+                cache[tuple(key)] = hit
+        spec, out_tree = hit
+        if not spec.out_avals:
+            outs: tuple = ()
+        elif _needs_autograd(tensors):
+            outs = _JaxFunction.apply(spec, *tensors)
+        else:
+            outs = _run(spec, tuple(tensors))
+        return _tree.tree_unflatten(out_tree, outs)
+
+    # torch.compile: Dynamo cannot trace jax's C++ pytree code, so it records a call to
+    # `wrapped` in the graph and runs it on fake tensors, where `forward` emits the custom
+    # op. That needs tensor or tuple outputs; for others Dynamo falls back to tracing
+    # `wrapped`'s code, and `call_eager` makes that a clean graph break.
+    call_eager = torch.compiler.disable(call)
+
+    @functools.wraps(jax_fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return call_eager(*args, **kwargs)
+        return call(*args, **kwargs)
+
+    return torch.compiler.allow_in_graph(wrapped)

@@ -1,0 +1,413 @@
+# Tests of to_torch: JAX functions called from PyTorch. References are independent: the
+# JAX function called directly (jax.grad / jax.jvp / jax.vmap on it), the same maths
+# written in torch, and finite differences (torch.autograd.gradcheck / gradgradcheck).
+from __future__ import annotations
+
+import doctest
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+
+import torchjax
+from torchjax import _to_torch
+from torchjax._errors import ConversionError, JaxOutputError, StaticArgumentError
+from torchjax._to_torch import to_torch
+
+
+def x64():
+    """Context manager enabling JAX's x64 mode for one block (no global change)."""
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64  # older JAX
+
+    return enable_x64()
+
+
+def np_(t):
+    return np.asarray(t.detach().cpu())
+
+
+def close(a, b, **kw):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6, **kw)
+
+
+def jax_energy(params, x):  # {"w": [D, K], "b": [K]}, [N, D] -> ([N], scalar)
+    h = jnp.tanh(x @ params["w"] + params["b"])
+    return {"per_row": jnp.sum(h**2, axis=-1), "total": jnp.sum(jnp.sin(h))}
+
+
+@pytest.fixture
+def spy_runs(monkeypatch):
+    """Names of the specs run on real data, in order (to assert which rule fired)."""
+    names = []
+    original = _to_torch._Spec.run
+
+    def run(self, tensors):
+        names.append(self.name)
+        return original(self, tensors)
+
+    monkeypatch.setattr(_to_torch._Spec, "run", run)
+    return names
+
+
+# ---------------------------------------------------------------- forward values
+
+
+leaf_shapes = st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple)
+trees = st.recursive(
+    leaf_shapes,
+    lambda sub: (
+        st.lists(sub, min_size=1, max_size=2)
+        | st.dictionaries(st.sampled_from("abc"), sub, min_size=1, max_size=2)
+    ),
+    max_leaves=4,
+)
+
+
+@settings(max_examples=12, deadline=None)
+@given(shapes=trees, dtype=st.sampled_from([torch.float32, torch.int32, torch.float16]))
+def test_forward_matches_jax_on_pytrees(shapes, dtype):
+    tree = jax.tree_util.tree_map(
+        lambda s: (torch.arange(int(np.prod(s)), dtype=torch.float32) - 1).reshape(s).to(dtype),
+        shapes,
+        is_leaf=lambda s: isinstance(s, tuple),
+    )
+
+    def f(t, scale):
+        return jax.tree_util.tree_map(lambda a: (a * scale + 1, jnp.sum(a)), t)
+
+    got = to_torch(f)(tree, 3)
+    want = f(torchjax.tree_to_jax(tree), 3)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        assert isinstance(g, torch.Tensor) and np_(g).dtype == w.dtype
+        np.testing.assert_array_equal(np_(g), np.asarray(w))
+
+
+def test_kwargs_statics_and_compile_cache():
+    traces = []
+
+    def f(x, *, k, mode):
+        traces.append((x.shape, k, mode))
+        return x * k if mode == "mul" else x + k
+
+    g = to_torch(f)
+    x = torch.arange(3.0)
+    close(g(x, k=2, mode="mul"), [0, 2, 4])
+    close(g(x, k=2, mode="mul"), [0, 2, 4])
+    assert len(traces) == 1  # same signature: traced and compiled once
+    close(g(x, k=2, mode="add"), [2, 3, 4])
+    g(x, k=2.0, mode="add")
+    g(x, k=True, mode="add")  # equal to 1 but a different type: a separate signature
+    assert [t[1] for t in traces] == [2, 2, 2.0, True]
+    assert [type(t[1]) for t in traces] == [int, int, float, bool]
+    g(torch.arange(4.0), k=2, mode="mul")
+    assert len(traces) == 5
+
+
+def test_outputs_never_alias_inputs_or_each_other():
+    x = torch.arange(4.0)
+    y, z = to_torch(lambda a: (a, a))(x)
+    close(y, [0, 1, 2, 3])
+    y += 1
+    z *= 0
+    close(x, [0, 1, 2, 3])
+    close(y, [1, 2, 3, 4])
+
+
+def test_empty_output_and_none_leaves():
+    assert to_torch(lambda x: ())(torch.ones(2)) == ()
+    out = to_torch(lambda d: {"a": d["a"] + 1, "none": None})({"a": torch.ones(2), "b": None})
+    assert out["none"] is None
+    close(out["a"], [2, 2])
+
+
+def test_noncontiguous_inputs():
+    base = torch.arange(12.0).reshape(3, 4)
+    a, b = base.t(), base[:, 0].expand(4, 3)  # transposed; stride-0 broadcast
+    assert not a.is_contiguous() and not b.is_contiguous()
+    close(to_torch(lambda a, b: a * 2 + b)(a, b), (a * 2 + b).numpy())
+
+
+def test_float64_with_x64_off_narrows_and_grads_keep_dtype():
+    assert not jax.config.jax_enable_x64
+    x = torch.linspace(-1, 1, 5, dtype=torch.float64, requires_grad=True)
+    y = to_torch(jnp.sin)(x)
+    assert y.dtype == torch.float32  # JAX's dtype with x64 off
+    y.sum().backward()
+    assert x.grad.dtype == torch.float64
+    close(x.grad, torch.cos(x.detach()).numpy())
+
+
+# ---------------------------------------------------------------- reverse mode
+
+
+def test_backward_matches_torch_autograd():
+    torch.manual_seed(0)
+    params = {"w": torch.randn(3, 2, requires_grad=True), "b": torch.randn(2, requires_grad=True)}
+    x = torch.randn(5, 3)
+    out = to_torch(jax_energy)(params, x)
+    (out["per_row"].sum() + 2 * out["total"]).backward()
+
+    ref = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    h = torch.tanh(x @ ref["w"] + ref["b"])
+    ((h**2).sum() + 2 * torch.sin(h).sum()).backward()
+    for k in params:
+        close(params[k].grad, ref[k].grad.numpy())
+
+
+def test_gradcheck_and_gradgradcheck_float64():
+    torch.manual_seed(0)
+
+    def f(x, params):
+        out = jax_energy(params, x)
+        return out["per_row"], out["total"]
+
+    g = to_torch(f)
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    fn = lambda x, w, b: g(x, {"w": w, "b": b})
+    with x64():
+        assert torch.autograd.gradcheck(fn, (x, w, b), check_forward_ad=True)
+        assert torch.autograd.gradgradcheck(fn, (x, w, b))
+
+
+def test_gradcheck_complex():
+    z = torch.randn(3, dtype=torch.complex128, requires_grad=True)
+    with x64():
+        real_out = to_torch(lambda z: jnp.abs(z * jnp.sin(z)) ** 2)
+        holo = to_torch(lambda z: z * jnp.exp(z))
+        assert torch.autograd.gradcheck(real_out, (z,), check_forward_ad=True)
+        assert torch.autograd.gradgradcheck(real_out, (z,))
+        assert torch.autograd.gradcheck(holo, (z,), check_forward_ad=True)
+
+
+def test_int_inputs_and_outputs_are_not_differentiable():
+    def f(x, idx):
+        return x[idx] * 2.0, jnp.argmax(x), idx.sum()
+
+    x = torch.tensor([3.0, 1.0, 4.0], requires_grad=True)
+    idx = torch.tensor([2, 0])
+    y, am, s = to_torch(f)(x, idx)
+    assert y.requires_grad and not am.requires_grad and not s.requires_grad
+    assert am.item() == 2 and s.item() == 2
+    y.sum().backward()
+    close(x.grad, [2, 0, 2])
+    assert idx.grad is None
+
+
+def test_backward_only_for_inputs_that_need_it(monkeypatch):
+    wrts = []
+    original = _to_torch._Spec.vjp
+    monkeypatch.setattr(_to_torch._Spec, "vjp", lambda s, wrt: wrts.append(wrt) or original(s, wrt))
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3)
+    to_torch(lambda a, b: a * b)(a, b).sum().backward()
+    assert wrts == [(0,)]
+    close(a.grad, b.numpy())
+
+
+def test_torch_func_grad_vjp_jacrev_hessian_match_jax():
+    def f(x):
+        return jnp.sum(jnp.sin(x) * x**2)
+
+    g = to_torch(f)
+    x = torch.linspace(-1, 1, 4)
+    xj = jnp.asarray(x.numpy())
+    close(torch.func.grad(g)(x), jax.grad(f)(xj))
+    close(torch.func.hessian(g)(x), jax.hessian(f)(xj))
+    close(torch.func.jacrev(torch.func.jacrev(g))(x), jax.hessian(f)(xj))
+    out, pull = torch.func.vjp(to_torch(jnp.sin), x)
+    close(pull(torch.ones(4))[0], jnp.cos(xj))
+
+
+# ---------------------------------------------------------------- forward mode
+
+
+def test_torch_func_jvp_and_jacfwd_match_jax():
+    def f(x, y):
+        return jnp.sin(x) * y, jnp.sum(x * y)
+
+    g = to_torch(f)
+    x, y = torch.linspace(-1, 1, 3), torch.linspace(2, 3, 3)
+    tx, ty = torch.ones(3), torch.arange(3.0)
+    primal, tangent = torch.func.jvp(g, (x, y), (tx, ty))
+    args = tuple(jnp.asarray(t.numpy()) for t in (x, y, tx, ty))
+    jp, jt = jax.jvp(f, args[:2], args[2:])
+    for a, b in zip((*primal, *tangent), (*jp, *jt), strict=True):
+        close(a, b)
+    close(
+        torch.func.jacfwd(lambda x: g(x, y)[0])(x), jax.jacfwd(lambda x: f(x, args[1])[0])(args[0])
+    )
+    close(
+        torch.func.jacfwd(torch.func.jacrev(lambda x: g(x, y)[1]))(x),
+        jax.hessian(lambda x: f(x, args[1])[1])(args[0]),
+    )
+
+
+def test_forward_ad_with_int_outputs():
+    import torch.autograd.forward_ad as fwAD
+
+    x = torch.tensor([1.0, 5.0, 2.0])
+    with fwAD.dual_level():
+        outs = to_torch(lambda x: (x**2, jnp.argmax(x)))(fwAD.make_dual(x, torch.ones(3)))
+        tangents = [fwAD.unpack_dual(o).tangent for o in outs]
+    close(tangents[0], 2 * x.numpy())
+    assert tangents[1] is None
+
+
+# ---------------------------------------------------------------- vmap
+
+
+def test_vmap_is_one_batched_jax_call(spy_runs):
+    def f(x, w):
+        return jnp.tanh(x @ w), jnp.argmax(x)
+
+    g = to_torch(f)
+    xs, w = torch.randn(6, 3), torch.randn(3, 2)
+    ys, idx = torch.func.vmap(g, in_dims=(0, None))(xs, w)
+    assert spy_runs == ["vmap(to_torch(test_vmap_is_one_batched_jax_call.<locals>.f))"]
+    wy, widx = jax.vmap(f, in_axes=(0, None))(jnp.asarray(xs.numpy()), jnp.asarray(w.numpy()))
+    close(ys, wy)
+    np.testing.assert_array_equal(np_(idx), np.asarray(widx))
+
+
+def test_vmap_in_dims_nesting_and_grad_compositions():
+    def f(x, y):
+        return jnp.sum(jnp.sin(x) * y)
+
+    g = to_torch(f)
+    xs, ys = torch.randn(3, 4, 5), torch.randn(5, 4)
+    xj, yj = jnp.asarray(xs.numpy()), jnp.asarray(ys.numpy())
+    inner = torch.func.vmap(g, in_dims=(0, 1))  # over 4
+    close(
+        torch.func.vmap(inner, in_dims=(0, None))(xs, ys),
+        jax.vmap(jax.vmap(f, (0, 1)), (0, None))(xj, yj),
+    )
+    vg = torch.func.vmap(torch.func.grad(g), in_dims=(0, None))(xs[0], ys.t())
+    close(vg, jax.vmap(jax.grad(f), (0, None))(xj[0], yj.T))
+    gv = torch.func.grad(lambda x: torch.func.vmap(g, in_dims=(0, None))(x, ys.t()).sum())(xs[0])
+    close(gv, jax.grad(lambda x: jax.vmap(f, (0, None))(x, yj.T).sum())(xj[0]))
+    jac = torch.func.vmap(torch.func.jacfwd(g))(
+        xs[0], ys.t().expand(4, 4, 5).reshape(4, 4, 5)[:, 0]
+    )
+    close(jac, jax.vmap(jax.jacfwd(f))(xj[0], jnp.broadcast_to(yj.T, (4, 4, 5))[:, 0]))
+
+
+def test_vmap_with_unbatched_inputs_only():
+    g = to_torch(lambda x: x * 2)
+    out = torch.func.vmap(lambda b, x: g(x) + b, in_dims=(0, None))(
+        torch.arange(3.0), torch.ones(2)
+    )
+    close(out, [[2, 2], [3, 3], [4, 4]])
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_error_static_array_leaf():
+    with pytest.raises(StaticArgumentError, match=r"(?s)args\[0\]\['a'\] is a jax.*tree_to_torch"):
+        to_torch(lambda d: d["a"])({"a": jnp.ones(2)})
+    with pytest.raises(StaticArgumentError, match=r"(?s)kwargs\['y'\]\[1\] is a numpy.*from_numpy"):
+        to_torch(lambda x, y: x)(torch.ones(1), y=[1, np.ones(2)])
+
+
+def test_error_unhashable_static():
+    with pytest.raises(StaticArgumentError, match=r"args\[1\] is a set, which is not hashable"):
+        to_torch(lambda x, s: x)(torch.ones(1), {1, 2})
+
+
+def test_error_unsupported_dtype_and_overflow():
+    with pytest.raises(ConversionError, match=r"args\[0\]\[1\]: torch dtype torch.float8"):
+        to_torch(lambda xs: xs)([torch.ones(1), torch.ones(1).to(torch.float8_e4m3fn)])
+    with pytest.raises(ConversionError, match=r"args\[0\]: torch.int64 values .* do not fit"):
+        to_torch(lambda x: x)(torch.tensor([2**40]))
+
+
+def test_error_bad_output():
+    with pytest.raises(JaxOutputError, match=r"output\['name'\] is a str"):
+        to_torch(lambda x: {"y": x, "name": "hi"})(torch.ones(1))
+
+
+def test_error_not_callable():
+    with pytest.raises(TypeError, match=r"expected a JAX function, got Array"):
+        to_torch(jnp.ones(2))
+
+
+def test_error_inside_jax_function_names_the_call():
+    with pytest.raises(TypeError) as info:
+        to_torch(lambda x, y: x @ y)(torch.ones(2, 3), torch.ones(2, 3))
+    assert any("to_torch" in n and "args[1]: float32[2, 3]" in n for n in info.value.__notes__)
+
+
+# ---------------------------------------------------------------- torch.compile
+
+
+def test_torch_compile_no_graph_break():
+    import torch._dynamo
+
+    g = to_torch(lambda d, n: (jnp.sin(d["x"]) * n + d["l"][0], jnp.argmax(d["x"])))
+
+    def model(x):
+        y, i = g({"x": x * 2, "l": [x]}, 3)
+        return y.sum() + i
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for n in (3, 4):  # the second size is a recompile with symbolic sizes made concrete
+        x = torch.randn(n, requires_grad=True)
+        out = compiled(x)
+        out.backward()
+        x_ref = x.detach().clone().requires_grad_()
+        model(x_ref).backward()
+        close(out.detach(), model(x).detach())
+        close(x.grad, x_ref.grad.numpy())
+
+
+def test_torch_compile_dict_output_falls_back_correctly():
+    g = to_torch(lambda x: {"y": x + 1})
+    x = torch.ones(2)
+    close(torch.compile(lambda x: g(x)["y"] * 2, backend="eager")(x), [4, 4])
+
+
+# ---------------------------------------------------------------- round trip, docs, gpu
+
+
+@pytest.mark.skipif(not hasattr(torchjax, "to_jax"), reason="torchjax.to_jax not written yet")
+def test_round_trip_to_jax_of_to_torch():
+    def f(x):
+        return jnp.sin(x) * jnp.sum(x**2)
+
+    h = torchjax.to_jax(to_torch(f))
+    x = jnp.linspace(-1.0, 1.0, 4)
+    close(h(x), f(x))
+    close(jax.grad(lambda x: h(x).sum())(x), jax.grad(lambda x: f(x).sum())(x))
+    close(jax.jit(h)(x), f(x))
+
+
+def test_docstring_example_runs():
+    text = to_torch.__doc__.replace(
+        "from torchjax import to_torch", "from torchjax._to_torch import to_torch"
+    )
+    test = doctest.DocTestParser().get_doctest(text, {}, "to_torch", None, 0)
+    runner = doctest.DocTestRunner()
+    runner.run(test)
+    assert runner.failures == 0 and runner.tries > 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not any(d.platform == "gpu" for d in jax.devices()),
+    reason="needs CUDA in both torch and JAX",
+)
+def test_cuda_round_trip_and_grad():
+    x = torch.randn(8, device="cuda", requires_grad=True)
+    y = to_torch(jnp.sin)(x)
+    assert y.device == x.device
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.cos(x.detach()))
