@@ -90,8 +90,13 @@ def _check_hashable(value: Any, where: str) -> None:
         ) from None
 
 
-def _out_aval(leaf: Any) -> core.ShapedArray:
-    return core.ShapedArray(tuple(leaf.shape), np.dtype(leaf.dtype))
+def _out_aval(leaf: Any, manual: core.ShapedArray | None) -> core.ShapedArray:
+    """An output aval; inside shard_map it varies over the manual axes its inputs do."""
+    shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+    if manual is None:
+        return core.ShapedArray(shape, dtype)
+    sharding = jax.sharding.NamedSharding(manual.sharding.mesh, jax.P(*([None] * len(shape))))
+    return core.ShapedArray(shape, dtype, sharding=sharding, manual_axis_type=manual.mat)
 
 
 class PytreePrimitive:
@@ -232,6 +237,11 @@ class PytreePrimitive:
             self._raise_unhashable(args)
         for name, value in user_params:
             _check_hashable(value, f"{self.name}.bind keyword param {name!r}")
+        if any(isinstance(x, core.Tracer) for x in operands):
+            # Inside shard_map, operands that vary over different manual mesh axes are cast
+            # to vary over all of them (as JAX's own primitives do), so outputs vary over
+            # their union and transposition yields cotangents of the right type.
+            operands = list(core.auto_insert_reshard(*operands))
         avals = tuple(core.typeof(x) for x in operands)
         out_tree, out_avals = self._signature_cache(in_tree, statics_t, avals, user_params)
         out_flat = self.primitive.bind(
@@ -274,13 +284,15 @@ class PytreePrimitive:
         args = _rebuild(in_tree, statics, avals)
         out = self._abstract_eval_rule(*args, **dict(user_params))
         leaves, out_tree = _tree.tree_flatten(out)
+        # bind made the operands' varying manual axes agree: any one of them speaks for all.
+        manual = next((a for a in avals if getattr(a, "mat", None) and a.mat.varying), None)
         for path, leaf in _tree.tree_flatten_with_path(out)[0]:
             if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
                 raise OutputMismatchError(
                     f"{self.name}: abstract_eval returned {type(leaf).__name__} at "
                     f"{_path_str('out', path)}; every leaf must be a jax.ShapeDtypeStruct."
                 )
-        return out_tree, tuple(_out_aval(leaf) for leaf in leaves)
+        return out_tree, tuple(_out_aval(leaf, manual) for leaf in leaves)
 
     # -- flat adapters -----------------------------------------------------------------
     def _flat_abstract_eval(self, *avals, out_avals, **_):

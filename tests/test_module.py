@@ -1,0 +1,203 @@
+"""module_to_jax: torch modules as pure JAX functions of a variables pytree."""
+
+import copy
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import torchjax
+from torchjax._module import VariablesError
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def to_t(x):
+    return torch.from_numpy(np.array(x))
+
+
+def small_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def test_variables_names_and_zero_copy():
+    net = small_net()
+    net.register_buffer("scale", torch.ones(3))
+    apply, variables = torchjax.module_to_jax(net)
+    assert set(variables["params"]) == {n for n, _ in net.named_parameters()}
+    assert set(variables["buffers"]) == {"scale"}
+    for name, p in net.named_parameters():
+        assert variables["params"][name].unsafe_buffer_pointer() == p.data_ptr()
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_apply_matches_module(mode):
+    net = small_net()
+    apply, variables = torchjax.module_to_jax(net)
+    if mode == "jit":
+        apply = jax.jit(apply)
+    x = jnp.linspace(-1, 1, 20).reshape(5, 4)
+    np.testing.assert_allclose(apply(variables, x), net(to_t(x)).detach().numpy(), rtol=1e-6)
+
+
+def test_grads_wrt_params_and_inputs_match_torch_autograd():
+    net = small_net()
+    apply, variables = torchjax.module_to_jax(net)
+    x = jnp.linspace(-1, 1, 20).reshape(5, 4)
+    loss = lambda params, x: jnp.sum(apply({"params": params, "buffers": {}}, x) ** 2)
+    g_params, g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(variables["params"], x)
+    xt = to_t(x).requires_grad_()
+    (net(xt) ** 2).sum().backward()
+    for name, p in net.named_parameters():
+        np.testing.assert_allclose(g_params[name], p.grad.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g_x, xt.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_vmap_over_examples_and_per_example_grads():
+    net = small_net()
+    apply, variables = torchjax.module_to_jax(net)
+    xs = jnp.linspace(-1, 1, 20).reshape(5, 4)
+    per_example = jax.vmap(lambda x: apply(variables, x[None])[0])(xs)
+    np.testing.assert_allclose(per_example, net(to_t(xs)).detach().numpy(), rtol=1e-6)
+    grads = jax.vmap(
+        jax.grad(lambda p, x: jnp.sum(apply({"params": p, "buffers": {}}, x[None]))),
+        in_axes=(None, 0),
+    )(variables["params"], xs)
+    for i in range(5):
+        net.zero_grad()
+        net(to_t(xs[i : i + 1])).sum().backward()
+        np.testing.assert_allclose(grads["2.weight"][i], net[2].weight.grad.numpy(), rtol=1e-5)
+
+
+def test_batchnorm_buffers_update_functionally():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    net.train()
+    reference = copy.deepcopy(net)
+    apply, variables = torchjax.module_to_jax(net)
+    before_module = {k: v.clone() for k, v in net.state_dict().items()}
+    before_vars = jax.tree.map(np.array, variables)
+    x = jnp.linspace(-2, 3, 18).reshape(6, 3)
+
+    out, new_buffers = jax.jit(lambda v, x: apply(v, x, mutable=True))(variables, x)
+    ref_out = reference(to_t(x))
+    np.testing.assert_allclose(out, ref_out.detach().numpy(), rtol=1e-5, atol=1e-6)
+    for name, buf in reference.named_buffers():
+        np.testing.assert_allclose(new_buffers[name], buf.numpy(), rtol=1e-6)
+    assert new_buffers["1.num_batches_tracked"] == 1
+    assert new_buffers["1.num_batches_tracked"].dtype == jnp.int32  # x64 off
+    for k, v in net.state_dict().items():  # the module is untouched
+        assert torch.equal(v, before_module[k]), k
+    jax.tree.map(np.testing.assert_array_equal, variables, before_vars)  # so are the arrays
+
+
+def test_train_and_eval_mode_respected_under_jit():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    apply, variables = torchjax.module_to_jax(net)
+    f = jax.jit(apply)
+    x = jnp.linspace(-2, 3, 18).reshape(6, 3)
+    net.train()
+    train_out = f(variables, x)
+    net.eval()
+    eval_out = f(variables, x)
+    np.testing.assert_allclose(eval_out, net(to_t(x)).detach().numpy(), rtol=1e-5, atol=1e-6)
+    net.train()
+    np.testing.assert_allclose(
+        train_out, copy.deepcopy(net)(to_t(x)).detach().numpy(), rtol=1e-5, atol=1e-5
+    )
+    assert not np.allclose(train_out, eval_out)
+
+
+def test_dropout_rng_reproducible_and_global_rng_without_key():
+    net = torch.nn.Dropout(0.5)
+    net.train()
+    apply, variables = torchjax.module_to_jax(net)
+    x = jnp.ones((200,))
+    a = apply(variables, x, rng=jax.random.key(0))
+    b = jax.jit(lambda v, x, k: apply(v, x, rng=k))(variables, x, jax.random.key(0))
+    c = apply(variables, x, rng=jax.random.key(1))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert set(np.unique(np.asarray(a))) <= {0.0, 2.0}
+    # Without a key: torch's global generator, advancing like plain PyTorch.
+    torch.manual_seed(123)
+    d, e = apply(variables, x), apply(variables, x)
+    assert not np.array_equal(d, e)
+    torch.manual_seed(123)
+    np.testing.assert_array_equal(apply(variables, x), d)
+    keys = jax.random.split(jax.random.key(2), 3)
+    rows = jax.vmap(lambda k: apply(variables, x, rng=k))(keys)
+    assert not np.array_equal(rows[0], rows[1])
+
+
+def test_tied_weights_appear_once_and_get_summed_grads():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = torch.nn.Linear(4, 4, bias=False)
+            self.dec = torch.nn.Linear(4, 4, bias=False)
+            self.dec.weight = self.enc.weight
+
+        def forward(self, x):
+            return self.dec(torch.tanh(self.enc(x)))
+
+    torch.manual_seed(0)
+    net = Tied()
+    apply, variables = torchjax.module_to_jax(net)
+    assert list(variables["params"]) == ["enc.weight"]
+    x = jnp.linspace(-1, 1, 8).reshape(2, 4)
+    g = jax.grad(lambda p: jnp.sum(apply({"params": p, "buffers": {}}, x) ** 2))(
+        variables["params"]
+    )
+    (net(to_t(x)) ** 2).sum().backward()
+    np.testing.assert_allclose(g["enc.weight"], net.enc.weight.grad.numpy(), rtol=1e-5)
+
+
+def test_variables_errors_name_key_expected_actual():
+    apply, variables = torchjax.module_to_jax(small_net())
+    x = jnp.ones((2, 4))
+    params = dict(variables["params"])
+    del params["0.bias"]
+    with pytest.raises(VariablesError, match=r"missing \['0.bias'\]"):
+        apply({"params": params, "buffers": {}}, x)
+    params = {**variables["params"], "extra": jnp.ones(2)}
+    with pytest.raises(VariablesError, match=r"unexpected \['extra'\]"):
+        apply({"params": params, "buffers": {}}, x)
+    params = {**variables["params"], "0.weight": jnp.ones((4, 8))}
+    with pytest.raises(VariablesError, match=r"'0.weight'\] has shape \[4, 8\].*expects \[8, 4\]"):
+        apply({"params": params, "buffers": {}}, x)
+    with pytest.raises(VariablesError, match="returned by module_to_jax"):
+        apply(variables["params"], x)
+
+
+def test_transformer_encoder_layer_grads_match_torch_autograd():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(
+        d_model=8, nhead=2, dim_feedforward=16, batch_first=True
+    )
+    layer.eval()
+    apply, variables = torchjax.module_to_jax(layer)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 8)), jnp.float32)
+    loss = lambda p: jnp.sum(jnp.sin(apply({"params": p, "buffers": variables["buffers"]}, x)))
+    grads = jax.jit(jax.grad(loss))(variables["params"])
+    torch.sin(layer(to_t(x))).sum().backward()
+    names = [n for n, _ in layer.named_parameters()]
+    assert set(grads) == set(names)
+    for name, p in layer.named_parameters():
+        np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_optax_training_matches_torch_optim_adam():
+    spec = importlib.util.spec_from_file_location("train_optax", ROOT / "examples/train_optax.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    jax_losses = example.train_with_optax(40)
+    torch_losses = example.train_with_torch(40)
+    np.testing.assert_allclose(jax_losses, torch_losses, rtol=2e-3, atol=1e-5)
+    assert jax_losses[-1] < 0.2 * jax_losses[0]  # it actually trained
