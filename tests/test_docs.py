@@ -19,3 +19,14 @@ def test_markdown_python_blocks_run(path):
             exec(compile(code, f"{path.name}[block {i}]", "exec"), namespace)
         except Exception as e:  # re-raise with the block's place, for a readable failure
             raise AssertionError(f"{path.name} block {i} failed: {type(e).__name__}: {e}") from e
+
+
+def test_api_reference_is_up_to_date():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_api", ROOT / "docs" / "make_api.py")
+    make_api = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_api)
+    assert (ROOT / "docs" / "api.md").read_text() == make_api.render(), (
+        "docs/api.md is stale: run `python docs/make_api.py`"
+    )

@@ -1,0 +1,31 @@
+"""Write docs/api.md from the public docstrings: `python docs/make_api.py`.
+
+tests/test_docs.py checks that docs/api.md is up to date, so the reference cannot drift.
+"""
+
+import inspect
+import pathlib
+
+import torchjax
+
+HEADER = """# API reference
+
+Generated from the docstrings by `docs/make_api.py`; every example runs as a doctest in the
+test suite. The public API is exactly `torchjax.__all__`.
+"""
+
+
+def render() -> str:
+    parts = [HEADER]
+    for name in torchjax.__all__:
+        obj = getattr(torchjax, name)
+        signature = str(inspect.signature(obj)).replace("'", "")
+        doc = inspect.cleandoc(obj.__doc__ or "")
+        parts.append(f"## `torchjax.{name}{signature}`\n\n```text\n{doc}\n```\n")
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    path = pathlib.Path(__file__).with_name("api.md")
+    path.write_text(render())
+    print(f"wrote {path}")
