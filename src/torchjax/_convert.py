@@ -16,7 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 import torch
-from jax._src.lib import _jax  # the DLPack import without jax.dlpack's per-call overhead
+from jax._src import config as _jax_config
+from jax._src.lib import _jax  # DLPack both ways without jax.dlpack's per-call overhead
 
 from torchjax._errors import ConversionError
 
@@ -50,6 +51,8 @@ _NARROW_64: dict[torch.dtype, torch.dtype] = {
 
 SUPPORTED_DTYPES = ", ".join(str(d).removeprefix("torch.") for d in _TORCH_TO_NUMPY)
 
+_x64 = _jax_config.enable_x64  # read on every conversion: the state object, not jax.config
+
 # DLPack device types (dlpack.h): what a tensor's __dlpack_device__ reports.
 _DL_CPU, _DL_CUDA = 1, 2
 
@@ -76,7 +79,7 @@ def torch_dtype(dtype: Any) -> torch.dtype:
 
 def canonical_torch_dtype(dtype: torch.dtype) -> torch.dtype:
     """The torch dtype a value of `dtype` has once it is a JAX array (x64 policy applied)."""
-    if not jax.config.jax_enable_x64:
+    if not _x64.value:
         return _NARROW_64.get(dtype, dtype)
     return dtype
 
@@ -155,7 +158,7 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value") -> jax.Array:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    if t.device.type == "cpu":
+    if t.is_cpu:
         if not t.is_contiguous() or t.data_ptr() % 64:
             # XLA aliases only dense, 64-byte aligned memory; anything else is copied once.
             t = t.clone(memory_format=torch.contiguous_format)
@@ -183,6 +186,11 @@ def _numpy_to_tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
+_ArrayImpl = _jax.ArrayImpl
+# jaxlib's DLPack export of a single-device array; jax.Array.__dlpack__ adds ~10 µs of checks.
+_EXPORT = getattr(_jax, "buffer_to_dlpack_managed_tensor", None)
+
+
 def array_to_tensor(a: Any, where: str = "value") -> torch.Tensor:
     """A JAX (or numpy) array as a torch tensor, sharing memory (zero-copy).
 
@@ -198,6 +206,10 @@ def array_to_tensor(a: Any, where: str = "value") -> torch.Tensor:
         )
     if not isinstance(a, jax.Array):
         raise ConversionError(f"{where}: expected a JAX array, got {type(a).__name__}.")
+    if type(a) is _ArrayImpl and _EXPORT is not None and a.platform() == "cpu":
+        if len(a.sharding.device_set) == 1:
+            torch_dtype(a.dtype)
+            return torch.utils.dlpack.from_dlpack(_EXPORT(a, stream=None))
     torch_dtype(a.dtype)
     if not a.is_fully_addressable or len(a.sharding.device_set) != 1:
         raise ConversionError(
