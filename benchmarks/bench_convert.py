@@ -6,33 +6,25 @@
 from __future__ import annotations
 
 import functools
-import statistics
-import timeit
-from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
 import torch
+from _timing import median_seconds
 
 import torchjax
 
 SIZES = [16, 2**24]
-REPEAT = 7
 
-
-def median_seconds(fn: Callable[[], object]) -> float:
-    """Median per-call time of `fn` over REPEAT runs of an auto-ranged number of calls."""
-    timer = timeit.Timer(fn)
-    number, _ = timer.autorange()  # enough calls for about 0.2 s per run
-    return statistics.median(t / number for t in timer.repeat(repeat=REPEAT, number=number))
+ConvertRow = tuple[str, int, float, float]  # (call, elements, seconds, np.copy seconds)
 
 
 def _fmt(seconds: float) -> str:
     return f"{seconds * 1e6:,.1f}"
 
 
-def main() -> None:
-    """Print a markdown table of median per-call times and their ratio to np.copy."""
+def measure() -> list[ConvertRow]:
+    """Median per-call times of both conversions and of np.copy, for each size in SIZES."""
     rows = []
     for n in SIZES:
         host = np.arange(n, dtype=np.float32)
@@ -51,10 +43,23 @@ def main() -> None:
         ]:
             t = median_seconds(fn)
             rows.append((name, n, t, baseline))
-    print("| call | elements (float32) | median µs | np.copy median µs | ratio to np.copy |")
-    print("|---|---:|---:|---:|---:|")
+    return rows
+
+
+def format_results(rows: list[ConvertRow]) -> str:
+    """A markdown table of median per-call times and their ratio to np.copy."""
+    lines = [
+        "| call | elements (float32) | median µs | np.copy median µs | ratio to np.copy |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, n, t, baseline in rows:
-        print(f"| `{name}` | {n:,} | {_fmt(t)} | {_fmt(baseline)} | {t / baseline:.3g} |")
+        lines.append(f"| `{name}` | {n:,} | {_fmt(t)} | {_fmt(baseline)} | {t / baseline:.3g} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Print a markdown table of median per-call times and their ratio to np.copy."""
+    print(format_results(measure()))
 
 
 if __name__ == "__main__":

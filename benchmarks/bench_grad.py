@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax
 import torch
-from _timing import median_seconds, print_table
+from _timing import Table, format_tables, median_seconds
 
 import torchjax
 
@@ -22,7 +22,8 @@ def torch_loss(params, x, y):
     return torch.nn.functional.cross_entropy(mlp(params, x), y.long())  # int32 while x64 is off
 
 
-def main() -> None:
+def measure() -> list[Table]:
+    """Check both sides agree, then time them: one table of medians and ratios."""
     g = torch.Generator().manual_seed(0)
     params_t = {
         "w1": torch.randn(D_IN, D_HIDDEN, generator=g) / D_IN**0.5,
@@ -53,23 +54,32 @@ def main() -> None:
     torch_jvp = lambda: torch.func.jvp(lambda x: mlp(params_nograd, x), (x_t,), (tangent_t,))
     assert abs(jax.device_get(jvp_fn(x, tangent)[1]) - torch_jvp()[1].numpy()).max() < 1e-4
 
-    print_table(
-        f"MLP {D_IN}-{D_HIDDEN}-{D_OUT}, batch {BATCH}",
-        [
-            (
-                "jax.jit(jax.grad(loss))",
-                median_seconds(lambda: jax.block_until_ready(grad_fn(params, x, y))),
-                "torch forward + backward",
-                median_seconds(torch_grad),
-            ),
-            (
-                "jax.jit(jax.jvp(f))",
-                median_seconds(lambda: jax.block_until_ready(jvp_fn(x, tangent))),
-                "torch.func.jvp",
-                median_seconds(torch_jvp),
-            ),
-        ],
-    )
+    return [
+        (
+            f"MLP {D_IN}-{D_HIDDEN}-{D_OUT}, batch {BATCH}",
+            [
+                (
+                    "jax.jit(jax.grad(loss))",
+                    median_seconds(lambda: jax.block_until_ready(grad_fn(params, x, y))),
+                    "torch forward + backward",
+                    median_seconds(torch_grad),
+                ),
+                (
+                    "jax.jit(jax.jvp(f))",
+                    median_seconds(lambda: jax.block_until_ready(jvp_fn(x, tangent))),
+                    "torch.func.jvp",
+                    median_seconds(torch_jvp),
+                ),
+            ],
+        )
+    ]
+
+
+format_results = format_tables  # measure()'s tables as the markdown that main() prints
+
+
+def main() -> None:
+    print(format_results(measure()), end="")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax
 import torch
-from _timing import median_seconds, print_table
+from _timing import Table, format_tables, median_seconds
 
 import torchjax
 
@@ -19,7 +19,8 @@ def per_example_mlp(params, x):  # {'w1': [256, 256], ...}, [256] -> [10]
     return h @ params["w2"] + params["b2"]
 
 
-def main() -> None:
+def measure() -> list[Table]:
+    """Check the three agree, then time them: one table of medians and ratios."""
     g = torch.Generator().manual_seed(0)
     params_t = {
         "w1": torch.randn(D_IN, D_HIDDEN, generator=g) / D_IN**0.5,
@@ -40,23 +41,33 @@ def main() -> None:
         assert abs(jax.device_get(f(params, xs)) - want).max() < 1e-4
 
     base = median_seconds(lambda: native(params_t, xs_t))
-    print_table(
-        f"jit(vmap(to_jax(per_example_mlp))) over {BATCH} examples, MLP {D_IN}-{D_HIDDEN}-{D_OUT}",
-        [
-            (
-                "vmap_method='torch'",
-                median_seconds(lambda: batched(params, xs).block_until_ready()),
-                "native torch.func.vmap",
-                base,
-            ),
-            (
-                "vmap_method='sequential'",
-                median_seconds(lambda: sequential(params, xs).block_until_ready()),
-                "native torch.func.vmap",
-                base,
-            ),
-        ],
-    )
+    mlp = f"MLP {D_IN}-{D_HIDDEN}-{D_OUT}"
+    return [
+        (
+            f"jit(vmap(to_jax(per_example_mlp))) over {BATCH} examples, {mlp}",
+            [
+                (
+                    "vmap_method='torch'",
+                    median_seconds(lambda: batched(params, xs).block_until_ready()),
+                    "native torch.func.vmap",
+                    base,
+                ),
+                (
+                    "vmap_method='sequential'",
+                    median_seconds(lambda: sequential(params, xs).block_until_ready()),
+                    "native torch.func.vmap",
+                    base,
+                ),
+            ],
+        )
+    ]
+
+
+format_results = format_tables  # measure()'s tables as the markdown that main() prints
+
+
+def main() -> None:
+    print(format_results(measure()), end="")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,38 @@
+# Smoke test of benchmarks/compare.py: every section runs end to end and renders; no timing
+# is asserted. --quick makes each number a median of 2 short runs, tiny sizes keep the sweep
+# short, and the doc goes to a temporary folder, never to docs/.
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPARE = ROOT / "benchmarks" / "compare.py"
+
+
+def test_compare_quick_runs_and_renders(tmp_path):
+    docs_before = {p: p.stat().st_mtime_ns for p in (ROOT / "docs").iterdir()}
+    proc = subprocess.run(
+        [sys.executable, str(COMPARE), "--quick", "--sizes", "16,256", "--no-optional"]
+        + ["--write", "--out-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    # Each section's table header, the sweep's one, and the note for the skipped bridges.
+    # Six tables with ratios: to_jax 2, vmap 1, grad 1, to_torch 2.
+    assert "| call | elements (float32) | median µs |" in out
+    assert out.count("| case | median µs | baseline | baseline µs | ratio |") == 6
+    assert "| elements | native torch | to_jax eager | jax.jit(to_jax) |" in out
+    assert "| 256 |" in out and "| 4,096 |" not in out
+    assert "wrap_torch2jax: not measured; optional libraries not requested" in out
+
+    doc = (tmp_path / "benchmarks.md").read_text()
+    for heading in ["## Machine", "## How to reproduce", "## Size sweep", "![", "torch 2."]:
+        assert heading in doc
+    assert (tmp_path / "benchmark_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {p: p.stat().st_mtime_ns for p in (ROOT / "docs").iterdir()} == docs_before
