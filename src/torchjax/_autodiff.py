@@ -10,6 +10,7 @@
 # Leaves are addressed by their index among the flat leaves of the positional args
 # (`wrt`), and outputs by a mask over the flat output leaves (`out_mask`: the inexact
 # outputs that carry tangents or cotangents), so derived functions stay hashable tuples.
+# torch's complex cotangents are the conjugates of JAX's; VjpFunction converts both ways.
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,9 @@ from typing import Any
 import jax
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
+from torchjax._batching import as_tensor
 from torchjax._convert import torch_dtype
 from torchjax._errors import AutodiffError
 from torchjax._primitive import Linear, _is_operand
@@ -77,7 +80,10 @@ class _Derivative:
             for i, t in zip(self.wrt, diff, strict=True):
                 new[i] = t
             outs = _tree.tree_leaves(self.inner(*_tree.tree_unflatten(tree, new)))
-            return tuple(o for o, m in zip(outs, self.out_mask, strict=True) if m)
+            # A Python number output is a constant: as a tensor, its derivative is zero.
+            return tuple(
+                as_tensor(o, device) for o, m in zip(outs, self.out_mask, strict=True) if m
+            )
 
         return g, [leaves[i] for i in self.wrt]
 
@@ -95,6 +101,21 @@ class _Derivative:
         return self.fake_failure(error)
 
 
+def _conj(t: torch.Tensor) -> torch.Tensor:
+    # conj_physical, not conj: a lazily conjugated tensor cannot be handed to JAX by DLPack.
+    return torch.conj_physical(t) if t.is_complex() else t
+
+
+def _on_tape(x: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fresh autograd nodes for the leaves to differentiate (grad_method="autograd").
+
+    A leaf already on an outer tape (a higher derivative in progress, e.g. jax.hessian)
+    must stay connected to it, or the outer derivative is silently zero: it gets a view,
+    a new node on the same tape. Other leaves are detached and start a tape of their own.
+    """
+    return [xi.view_as(xi) if xi.requires_grad else xi.detach().requires_grad_() for xi in x]
+
+
 @dataclasses.dataclass(frozen=True)
 class JvpFunction(_Derivative):
     """``(primals, tangents) -> tangents of inner's masked outputs``; linear in tangents."""
@@ -107,19 +128,50 @@ class JvpFunction(_Derivative):
     def __call__(self, primals: tuple, tangents: tuple) -> tuple:
         g, x = self._restricted(primals)
         if self.grad_method == "torch.func":
-            return tuple(torch.func.jvp(g, tuple(x), tuple(tangents))[1])
+            try:
+                return tuple(torch.func.jvp(g, tuple(x), tuple(tangents))[1])
+            except NotImplementedError:
+                # Forward AD is missing for many kernels (fused attention, custom
+                # autograd.Functions without jvp) whose reverse mode works. jax.grad only
+                # traces this call, to transpose it into a VjpFunction, so a shape-inference
+                # run must not fail here: the tangents have the outputs' types. A real
+                # call (jax.jvp, jacfwd) still fails, naming grad_method='autograd'.
+                if not any(is_fake(t) for t in (*x, *tangents)):
+                    raise
+                return tuple(torch.empty_like(o) for o in g(*x))
         # Forward mode from reverse mode: J t = d/du [u^T J]^T t, with u a dummy cotangent.
         with torch.enable_grad():
-            x = [xi.detach().requires_grad_() for xi in x]
+            x = _on_tape(x)
             out = g(*x)
-            u = [torch.zeros_like(o, requires_grad=True) for o in out]
+            result = [torch.zeros_like(o) for o in out]
+            # An output off the tape does not depend on x: its tangent is zero, and
+            # autograd.grad refuses it, so only outputs on the tape take part.
+            live = [i for i, o in enumerate(out) if o.requires_grad]
+            if not live:
+                return tuple(result)
+            u = [torch.zeros_like(out[i], requires_grad=True) for i in live]
             vjp = torch.autograd.grad(
-                out, x, u, create_graph=True, allow_unused=True, materialize_grads=True
+                [out[i] for i in live],
+                x,
+                u,
+                create_graph=True,
+                allow_unused=True,
+                materialize_grads=True,
             )
+            pairs = [(v, t) for v, t in zip(vjp, tangents, strict=True) if v.requires_grad]
+            if not pairs:
+                return tuple(result)
             jt = torch.autograd.grad(
-                vjp, u, tangents, create_graph=True, allow_unused=True, materialize_grads=True
+                [v for v, _ in pairs],
+                u,
+                [t for _, t in pairs],
+                create_graph=True,
+                allow_unused=True,
+                materialize_grads=True,
             )
-        return tuple(jt)
+        for i, t in zip(live, jt, strict=True):
+            result[i] = t
+        return tuple(result)
 
     def declared_shapes(self, options: Options, primals: tuple, tangents: tuple) -> tuple:
         del tangents
@@ -136,16 +188,31 @@ class VjpFunction(_Derivative):
     grad_method: str
 
     def __call__(self, primals: tuple, cotangents: tuple) -> tuple:
+        # torch pulls back with the conjugate of JAX's cotangent convention for complex
+        # numbers: JAX's vjp(ct) is conj(torch's vjp(conj(ct))). Real leaves are unaffected.
+        cotangents = tuple(_conj(c) for c in cotangents)
+        return tuple(_conj(c) for c in self._pullback(primals, cotangents))
+
+    def _pullback(self, primals: tuple, cotangents: tuple) -> tuple:
         g, x = self._restricted(primals)
         if self.grad_method == "torch.func":
             _, pullback = torch.func.vjp(g, *x)
             return tuple(pullback(tuple(cotangents)))
         with torch.enable_grad():
-            x = [xi.detach().requires_grad_() for xi in x]
+            x = _on_tape(x)
             out = g(*x)
+            # Outputs off the tape do not depend on x and contribute nothing.
+            pairs = [(o, c) for o, c in zip(out, cotangents, strict=True) if o.requires_grad]
+            if not pairs:
+                return tuple(torch.zeros_like(xi) for xi in x)
             return tuple(
                 torch.autograd.grad(
-                    out, x, cotangents, create_graph=True, allow_unused=True, materialize_grads=True
+                    [o for o, _ in pairs],
+                    x,
+                    [c for _, c in pairs],
+                    create_graph=True,
+                    allow_unused=True,
+                    materialize_grads=True,
                 )
             )
 

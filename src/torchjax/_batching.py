@@ -4,8 +4,10 @@
 # (BatchedFunction of a BatchedFunction): still one torch call however deep. The other
 # vmap_method policies mirror jax.pure_callback's: "sequential" maps the unbatched call over
 # the batch with lax.map; "expand_dims" and "broadcast_all" trust fn to handle a leading
-# batch axis itself. A function torch.func.vmap cannot batch fails loudly while tracing
-# (the fake run of the batched function) and names vmap_method="sequential" as the fix.
+# batch axis itself (LeadingAxisFunction only restates result_shape_dtypes, which describe
+# one example, for the batch). A function torch.func.vmap cannot batch fails loudly while
+# tracing (the fake run of the batched function) and names vmap_method="sequential" as the
+# fix.
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +15,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import is_fake
 
+from torchjax._convert import torch_dtype
 from torchjax._errors import VmapError
 from torchjax._primitive import _is_operand
 from torchjax._torch_call import Options, torch_call_p
@@ -26,6 +32,15 @@ VMAP_HINT = (
     "For functions torch.func.vmap cannot handle (.item(), data-dependent Python control "
     "flow, in-place ops on unbatched inputs), use to_jax(fn, vmap_method='sequential') "
     "(one call per example), or 'expand_dims' if fn already handles a leading batch axis."
+)
+
+# torch.func.vmap's own message names its `randomness` flag; the user sets it in to_jax.
+RANDOMNESS_HINT = (
+    "torch.func.vmap could not batch {name}: {error}\n"
+    "{name} draws random numbers, and vmap_randomness='error' (the default) forbids that "
+    "under jax.vmap. Choose how draws vary across the batch: "
+    "to_jax(fn, vmap_randomness='different') (independent per example) or "
+    "to_jax(fn, vmap_randomness='same') (one draw shared by all examples)."
 )
 
 
@@ -53,7 +68,39 @@ class BatchedFunction:
     def __call__(self, *args: Any) -> Any:
         leaves, tree = _tree.tree_flatten(args)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        try:
+            return self._vmap(leaves, tree, positions)
+        except _FAKE_DEVICE_BUG:
+            if not any(is_fake(leaves[i]) for i in positions):
+                raise
+            return self._fake_outputs(leaves, tree, positions)
+
+    def _fake_outputs(self, leaves: list, tree: Any, positions: list) -> Any:
+        """The batched outputs' types from one unbatched fake run of inner.
+
+        Fake tensors break on some nested functorch programs that run fine on real
+        tensors: vmap(vmap(jvp(grad(f)))) for f(x) = (x * x * x).sum() raises
+        FakeTensorDeviceMismatchError ("meta and cpu"), and jax.vmap(jax.hessian(f)) builds
+        exactly that. vmap's outputs are inner's with the batch axis in front, so inner's
+        types are enough; vmap failures still surface when the real call runs.
+        """
+        new, size = list(leaves), None
+        for i, d in zip(positions, self.in_dims, strict=True):
+            if d is not None:
+                x = leaves[i]
+                size = x.shape[d]
+                new[i] = x.select(d, 0) if size else x.new_empty(x.shape[:d] + x.shape[d + 1 :])
+        out = self.inner(*_tree.tree_unflatten(tree, new))
+
+        def batched(o: Any) -> torch.Tensor:
+            o = as_tensor(o)
+            return o.unsqueeze(0).expand(size, *o.shape)
+
+        return _tree.tree_map(batched, out)
+
+    def _vmap(self, leaves: list, tree: Any, positions: list) -> Any:
         out_tree = []
+        device = leaves[positions[0]].device if positions else None
 
         def flat(*tensors: torch.Tensor) -> tuple:
             new = list(leaves)
@@ -61,7 +108,7 @@ class BatchedFunction:
                 new[i] = t
             out_leaves, treedef = _tree.tree_flatten(self.inner(*_tree.tree_unflatten(tree, new)))
             out_tree.append(treedef)
-            return tuple(x if isinstance(x, torch.Tensor) else torch.tensor(x) for x in out_leaves)
+            return tuple(as_tensor(x, device) for x in out_leaves)
 
         batched = torch.func.vmap(flat, in_dims=self.in_dims, randomness=self.randomness)
         out = batched(*(leaves[i] for i in positions))
@@ -83,12 +130,87 @@ class BatchedFunction:
         return _tree.tree_map(lambda s: jax.ShapeDtypeStruct((size, *s.shape), s.dtype), inner)
 
     def fake_failure(self, error: Exception) -> Exception:
-        return VmapError(
-            VMAP_HINT.format(name=self.root.name, error=f"{type(error).__name__}: {error}")
-        )
+        hint = VMAP_HINT
+        if self.randomness == "error" and "randomness" in str(error):
+            hint = RANDOMNESS_HINT
+        return VmapError(hint.format(name=self.root.name, error=f"{type(error).__name__}: {error}"))
 
     def call_failure(self, error: Exception) -> Exception:
         return self.fake_failure(error)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeadingAxisFunction:
+    """``inner`` called on inputs that all carry a leading batch axis of ``size`` (or 1).
+
+    vmap_method "expand_dims" and "broadcast_all": inner handles the batch axis itself, so
+    the call is inner's own. Only its declared output types differ: result_shape_dtypes
+    describes one example, so they are inner's on the inputs without their leading axis,
+    with ``size`` in front.
+    """
+
+    inner: Any
+    size: int
+
+    @property
+    def root(self) -> Any:
+        return self.inner.root
+
+    def arg_path(self, path: tuple) -> str:
+        return self.inner.arg_path(path)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.inner(*args)
+
+    def declared_shapes(self, options: Options, *args: Any) -> Any:
+        leaves, tree = _tree.tree_flatten(args)
+        unbatched = [
+            jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if _is_abstract(x) else x for x in leaves
+        ]
+        inner = torch_call_p.abstract_eval(
+            *_tree.tree_unflatten(tree, unbatched), fn=self.inner, options=options
+        )
+        return _tree.tree_map(lambda s: jax.ShapeDtypeStruct((self.size, *s.shape), s.dtype), inner)
+
+    def fake_failure(self, error: Exception) -> Exception:
+        return self.inner.fake_failure(error)
+
+    def call_failure(self, error: Exception) -> Exception:
+        return self.inner.call_failure(error)
+
+
+LEADING_AXIS_MESSAGE = (
+    "{name} was batched with vmap_method={method!r}, so it must return every output with "
+    "a leading batch axis of size {size}, but it returned {got} at {where}. With {method!r} "
+    "the function receives the whole batch and must map over its leading axis itself; use "
+    "vmap_method='torch' or 'sequential' for a function written for one example."
+)
+
+
+# torch's error for the fake-tensor limitation worked around in BatchedFunction (a class no
+# exception is an instance of where this torch lacks it).
+_FAKE_DEVICE_BUG = getattr(
+    fake_tensor, "FakeTensorDeviceMismatchError", type("_Never", (Exception,), {})
+)
+
+
+def as_tensor(value: Any, device: torch.device | None = None) -> Any:
+    """A Python number output as a tensor of the dtype to_jax gives it; others unchanged.
+
+    torch.func transforms take tensors only, and torch.tensor(2.0) would be float32 where
+    to_jax declares a Python float float64 under x64: use the declared dtype.
+    """
+    if isinstance(value, bool | int | float | complex):
+        dtype = torch_dtype(jax.dtypes.canonicalize_dtype(np.asarray(value).dtype))
+        return torch.tensor(value, dtype=dtype, device=device)
+    return value
+
+
+def _calls_user_directly(fn: Any) -> bool:
+    """Whether fn is the user's function, perhaps under LeadingAxisFunction layers."""
+    while isinstance(fn, LeadingAxisFunction):
+        fn = fn.inner
+    return fn is fn.root
 
 
 def _is_abstract(x: Any) -> bool:
@@ -122,6 +244,13 @@ def _batch(args: tuple, axes: tuple, *, fn: Any, options: Options) -> tuple[Any,
 
         return jax.lax.map(one, [moved[i] for i in mapped]), 0
 
+    if method == "expand_dims" and not _calls_user_directly(fn):
+        # A derivative of fn (JvpFunction, VjpFunction) is not itself batch-polymorphic: a
+        # size-1 cotangent does not match the batched output it pulls back, and a VJP with
+        # respect to a size-1 input sums over the batch instead of giving one row per
+        # example. With every input broadcast, each example stays separate.
+        method = "broadcast_all"
+
     def lift(x: Any, a: Any) -> Any:
         if a is not None or not _is_operand(x):
             return x
@@ -130,4 +259,17 @@ def _batch(args: tuple, axes: tuple, *, fn: Any, options: Options) -> tuple[Any,
         return jnp.broadcast_to(x, (size, *jnp.shape(x)))
 
     new = [lift(x, a) for x, a in zip(moved, flat_axes, strict=True)]
-    return torch_call_p.bind(*_tree.tree_unflatten(tree, new), fn=fn, options=options), 0
+    lead = LeadingAxisFunction(fn, size)
+    out = torch_call_p.bind(*_tree.tree_unflatten(tree, new), fn=lead, options=options)
+    for path, o in _tree.tree_flatten_with_path(out)[0]:
+        if not o.shape or o.shape[0] != size:
+            raise VmapError(
+                LEADING_AXIS_MESSAGE.format(
+                    name=fn.root.name,
+                    method=options.vmap_method,
+                    size=size,
+                    got=f"{o.dtype}{list(o.shape)}",
+                    where="out" + _tree.keystr(path),
+                )
+            )
+    return out, 0

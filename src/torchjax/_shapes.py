@@ -37,7 +37,11 @@ array. Clone the input first:
 
 
 def function_name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    """A readable name for messages: the qualified name, or the type's for callable objects."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if isinstance(name, str):
+        return name
+    return type(fn).__qualname__ + " instance"
 
 
 def default_torch_device() -> torch.device:

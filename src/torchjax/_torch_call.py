@@ -89,7 +89,7 @@ class UserFunction:
             f"(no real data): {type(error).__name__}: {error}\n"
             f"If the function has data-dependent shapes or reads values (.item(), "
             f".tolist(), Python control flow on tensor values), declare its outputs:\n"
-            f"    to_jax({self.name.rsplit('.', 1)[-1]}, result_shape_dtypes="
+            f"    to_jax(fn, result_shape_dtypes="
             f"jax.ShapeDtypeStruct(shape, dtype))\n"
             f"or a callable mapping the input ShapeDtypeStructs to the outputs."
         )
