@@ -66,6 +66,44 @@ class Linear:
         return f"Linear({self.aval.str_short()})"
 
 
+class Signature:
+    """The output side of one bind signature, found once by abstract_eval and reused.
+
+    One object per distinct (structure, static leaves, avals, params), so rules may memoize
+    per-signature work in ``memo`` (a dict). Travels as the ``signature`` param of the
+    underlying primitive; compares by value (``out_tree``, ``out_avals``).
+    """
+
+    __slots__ = ("out_tree", "out_avals", "memo", "_hash", "_out_types")
+
+    def __init__(self, out_tree: Any, out_avals: tuple):
+        self.out_tree, self.out_avals = out_tree, out_avals
+        self.memo: dict = {}
+        self._hash = hash((out_tree, out_avals))
+        self._out_types = None
+
+    @property
+    def out_types(self) -> Any:
+        """The outputs as a pytree of ``jax.ShapeDtypeStruct`` (shared: do not mutate)."""
+        if self._out_types is None:
+            structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.out_avals]
+            self._out_types = _tree.tree_unflatten(self.out_tree, structs)
+        return self._out_types
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Signature)
+            and self.out_tree == other.out_tree
+            and self.out_avals == other.out_avals
+        )
+
+    def __repr__(self) -> str:
+        return f"Signature({self.out_tree}, {[a.str_short() for a in self.out_avals]})"
+
+
 def _is_operand(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray | core.Tracer)
 
@@ -158,7 +196,8 @@ class PytreePrimitive:
         self._abstract_eval_rule: Callable | None = None
         self._impl_rule: Callable | None = None
         self._lowering_rule: Callable | None = None
-        self._impl_out_types = self._lowering_out_types = False
+        self._impl_signature = self._lowering_signature = False
+        self._eager_signatures: dict = {}
         self._batching_rule: Callable | None = None
         self._jvp_rule: Callable | None = None
         self._transpose_rule: Callable | None = None
@@ -183,20 +222,21 @@ class PytreePrimitive:
         self._signature_cache.cache_clear()
         return rule
 
-    def def_impl(self, rule: Callable | None = None, *, out_types: bool = False) -> Any:
-        """Register the eager impl. With ``out_types=True`` (usable as
-        ``@p.def_impl(out_types=True)``) the rule also receives ``out_types=``, the pytree of
-        ShapeDtypeStruct that abstract_eval declared, so it need not recompute it."""
+    def def_impl(self, rule: Callable | None = None, *, signature: bool = False) -> Any:
+        """Register the eager impl. With ``signature=True`` (usable as
+        ``@p.def_impl(signature=True)``) the rule also receives ``signature=``, a
+        `Signature` whose ``out_types`` are what abstract_eval declared and whose ``memo``
+        dict keeps per-signature work (e.g. a call plan) between calls."""
         if rule is None:
-            return functools.partial(self.def_impl, out_types=out_types)
-        self._impl_rule, self._impl_out_types = rule, out_types
+            return functools.partial(self.def_impl, signature=signature)
+        self._impl_rule, self._impl_signature = rule, signature
         return rule
 
-    def def_lowering(self, rule: Callable | None = None, *, out_types: bool = False) -> Any:
-        """Register the jit lowering, a JAX-traceable rule; ``out_types`` as in def_impl."""
+    def def_lowering(self, rule: Callable | None = None, *, signature: bool = False) -> Any:
+        """Register the jit lowering, a JAX-traceable rule; ``signature`` as in def_impl."""
         if rule is None:
-            return functools.partial(self.def_lowering, out_types=out_types)
-        self._lowering_rule, self._lowering_out_types = rule, out_types
+            return functools.partial(self.def_lowering, signature=signature)
+        self._lowering_rule, self._lowering_signature = rule, signature
         return rule
 
     def def_batching(self, rule: Callable) -> Callable:
@@ -235,29 +275,46 @@ class PytreePrimitive:
             hash(statics_t)
         except TypeError:
             self._raise_unhashable(args)
-        for name, value in user_params:
-            _check_hashable(value, f"{self.name}.bind keyword param {name!r}")
+        try:
+            hash(user_params)
+        except TypeError:
+            for name, value in user_params:
+                _check_hashable(value, f"{self.name}.bind keyword param {name!r}")
         traced = any(isinstance(x, core.Tracer) for x in operands)
+        if not traced and self._impl_rule is not None and _at_top_level():
+            # Eager: what core.bind would do here, minus its trace dispatch, with the
+            # signature found from plain shapes and dtypes (cheaper than avals to hash).
+            key = (in_tree, statics_t, user_params, *[_eager_type(x) for x in operands])
+            signature = self._eager_signatures.get(key)
+            if signature is None:
+                avals = tuple(core.typeof(x) for x in operands)
+                signature = self._signature_cache(in_tree, statics_t, avals, user_params)
+                if len(self._eager_signatures) > 4096:
+                    self._eager_signatures.clear()
+                self._eager_signatures[key] = signature
+            out_flat = self._flat_impl(
+                *operands,
+                in_tree=in_tree,
+                statics=statics_t,
+                signature=signature,
+                params=user_params,
+            )
+            return _tree.tree_unflatten(signature.out_tree, out_flat)
         if traced:
             # Inside shard_map, operands that vary over different manual mesh axes are cast
             # to vary over all of them (as JAX's own primitives do), so outputs vary over
             # their union and transposition yields cotangents of the right type.
             operands = list(core.auto_insert_reshard(*operands))
         avals = tuple(core.typeof(x) for x in operands)
-        out_tree, out_avals = self._signature_cache(in_tree, statics_t, avals, user_params)
-        flat_params = dict(
+        signature = self._signature_cache(in_tree, statics_t, avals, user_params)
+        out_flat = self.primitive.bind(
+            *operands,
             in_tree=in_tree,
             statics=statics_t,
-            out_tree=out_tree,
-            out_avals=out_avals,
+            signature=signature,
             params=user_params,
         )
-        if not traced and self._impl_rule is not None and _at_top_level():
-            # What core.bind would do here, minus ~10 µs of trace dispatch on the eager path.
-            out_flat = self._flat_impl(*operands, **flat_params)
-        else:
-            out_flat = self.primitive.bind(*operands, **flat_params)
-        return _tree.tree_unflatten(out_tree, out_flat)
+        return _tree.tree_unflatten(signature.out_tree, out_flat)
 
     def abstract_eval(self, *args: Any, **params: Any) -> Any:
         """The output types of ``bind(*args, **params)``: a pytree of ShapeDtypeStruct.
@@ -273,10 +330,10 @@ class PytreePrimitive:
                 statics.append(_ARRAY)
             else:
                 statics.append(leaf)
-        out_tree, out_avals = self._signature_cache(
+        signature = self._signature_cache(
             in_tree, tuple(statics), tuple(avals), tuple(sorted(params.items()))
         )
-        return _out_types(out_tree, out_avals)
+        return signature.out_types
 
     def _raise_unhashable(self, args: tuple) -> None:
         for path, leaf in _tree.tree_flatten_with_path(args)[0]:
@@ -297,11 +354,13 @@ class PytreePrimitive:
                     f"{self.name}: abstract_eval returned {type(leaf).__name__} at "
                     f"{_path_str('out', path)}; every leaf must be a jax.ShapeDtypeStruct."
                 )
-        return out_tree, tuple(_out_aval(leaf, manual) for leaf in leaves)
+        return Signature(out_tree, tuple(_out_aval(leaf, manual) for leaf in leaves))
 
     # -- flat adapters -----------------------------------------------------------------
-    def _flat_abstract_eval(self, *avals, out_avals, **_):
-        return list(out_avals)
+    # The underlying primitive's params: in_tree and statics (bind's args, operands
+    # replaced by _ARRAY), signature (the outputs), params (bind's keyword params).
+    def _flat_abstract_eval(self, *avals, signature, **_):
+        return list(signature.out_avals)
 
     def _flatten_out(self, out: Any, out_tree, out_avals, rule: str) -> list:
         leaves, tree = _tree.tree_flatten(out)
@@ -313,7 +372,7 @@ class PytreePrimitive:
         paths = None
         for i, (leaf, aval) in enumerate(zip(leaves, out_avals, strict=True)):
             shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
-            if shape is None or tuple(shape) != aval.shape or np.dtype(dtype) != aval.dtype:
+            if shape is None or dtype != aval.dtype or tuple(shape) != aval.shape:
                 if paths is None:
                     paths = [p for p, _ in _tree.tree_flatten_with_path(out)[0]]
                 got = f"{type(leaf).__name__}" if shape is None else f"{dtype}{list(shape)}"
@@ -324,7 +383,7 @@ class PytreePrimitive:
                 )
         return leaves
 
-    def _flat_impl(self, *operands, in_tree, statics, out_tree, out_avals, params):
+    def _flat_impl(self, *operands, in_tree, statics, signature, params):
         if self._impl_rule is None:
             if self._lowering_rule is None:
                 raise self._missing("impl", "eager evaluation")
@@ -333,33 +392,32 @@ class PytreePrimitive:
                 *operands,
                 in_tree=in_tree,
                 statics=statics,
-                out_tree=out_tree,
-                out_avals=out_avals,
+                signature=signature,
                 params=params,
             )
         args = _rebuild(in_tree, statics, operands)
         kwargs = dict(params)
-        if self._impl_out_types:
-            kwargs["out_types"] = _out_types(out_tree, out_avals)
+        if self._impl_signature:
+            kwargs["signature"] = signature
         out = self._impl_rule(*args, **kwargs)
-        return self._flatten_out(out, out_tree, out_avals, "impl")
+        return self._flatten_out(out, signature.out_tree, signature.out_avals, "impl")
 
-    def _flat_lowering(self, *operands, in_tree, statics, out_tree, out_avals, params):
+    def _flat_lowering(self, *operands, in_tree, statics, signature, params):
         if self._lowering_rule is not None:
-            rule, with_types = self._lowering_rule, self._lowering_out_types
+            rule, with_signature = self._lowering_rule, self._lowering_signature
         elif self._impl_rule is not None:
-            rule, with_types = self._impl_rule, self._impl_out_types
+            rule, with_signature = self._impl_rule, self._impl_signature
         else:
             raise self._missing("lowering", "jax.jit")
         args = _rebuild(in_tree, statics, operands)
         kwargs = dict(params)
-        if with_types:
-            kwargs["out_types"] = _out_types(out_tree, out_avals)
+        if with_signature:
+            kwargs["signature"] = signature
         out = rule(*args, **kwargs)
-        return self._flatten_out(out, out_tree, out_avals, "lowering")
+        return self._flatten_out(out, signature.out_tree, signature.out_avals, "lowering")
 
-    def _flat_batching(self, operands, dims, *, in_tree, statics, out_tree, out_avals, params):
-        del out_tree, out_avals
+    def _flat_batching(self, operands, dims, *, in_tree, statics, signature, params):
+        del signature
         if self._batching_rule is None:
             raise self._missing("batching", "jax.vmap")
         args = _rebuild(in_tree, statics, operands)
@@ -375,7 +433,8 @@ class PytreePrimitive:
                 dims_out.append(ax % np.ndim(leaf) if np.ndim(leaf) else ax)
         return leaves, dims_out
 
-    def _flat_jvp(self, primals, tangents, *, in_tree, statics, out_tree, out_avals, params):
+    def _flat_jvp(self, primals, tangents, *, in_tree, statics, signature, params):
+        out_tree, out_avals = signature.out_tree, signature.out_avals
         if self._jvp_rule is None:
             raise self._missing("jvp", "forward- and reverse-mode differentiation")
         primal_args = _rebuild(in_tree, statics, primals)
@@ -397,8 +456,8 @@ class PytreePrimitive:
                 result.append(t)
         return out_flat, result
 
-    def _flat_transpose(self, cts, *operands, in_tree, statics, out_tree, out_avals, params):
-        del out_avals
+    def _flat_transpose(self, cts, *operands, in_tree, statics, signature, params):
+        out_tree = signature.out_tree
         if self._transpose_rule is None:
             raise self._missing("transpose", "reverse-mode differentiation (jax.grad, jax.vjp)")
         ct_tree = _tree.tree_unflatten(out_tree, [None if type(c) is ad.Zero else c for c in cts])
@@ -431,16 +490,13 @@ class PytreePrimitive:
         return result
 
 
+def _eager_type(x: Any) -> tuple:
+    return (x.shape, x.dtype, getattr(x, "weak_type", False))
+
+
 def _at_top_level() -> bool:
     """Whether no JAX transformation or trace is active (binding would just evaluate)."""
     return type(core.trace_ctx.trace) is core.EvalTrace
-
-
-@functools.lru_cache(maxsize=4096)
-def _out_types(out_tree, out_avals: tuple) -> Any:
-    """The pytree of ShapeDtypeStruct for a signature (cached: it is built on hot paths)."""
-    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
-    return _tree.tree_unflatten(out_tree, structs)
 
 
 def _rebuild(in_tree, statics: tuple, operands, fill: Any = _ARRAY) -> tuple:

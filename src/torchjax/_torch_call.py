@@ -232,17 +232,16 @@ def _plan_parts(args: tuple, out_types: Any) -> tuple:
     return operands, in_tree, template, tuple(structs), out_tree
 
 
-@functools.lru_cache(maxsize=1024)
-def _cached_plan(fn: Any, in_tree: Any, template: tuple, structs: tuple, out_tree: Any):
-    return _CallPlan(fn, in_tree, template, structs, out_tree)
-
-
-@torch_call_p.def_impl(out_types=True)
-def _impl(*args: Any, fn: Any, options: Options, out_types: Any) -> Any:
+@torch_call_p.def_impl(signature=True)
+def _impl(*args: Any, fn: Any, options: Options, signature: Any) -> Any:
     """Eager: DLPack the JAX inputs to torch, call fn, DLPack the outputs back."""
     del options
-    operands, *parts = _plan_parts(args, out_types)
-    plan = _cached_plan(fn, *parts)
+    plan = signature.memo.get("plan")
+    if plan is None:  # once per signature: the signature is per (fn, argument types)
+        operands, *parts = _plan_parts(args, signature.out_types)
+        plan = signature.memo["plan"] = _CallPlan(fn, *parts)
+    else:
+        operands = [x for x in _tree.tree_leaves(args) if _is_operand(x)]
     tensors = [array_to_tensor(x) for x in operands]
     results = plan(tensors)
     storages = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
@@ -254,11 +253,11 @@ def _impl(*args: Any, fn: Any, options: Options, out_types: Any) -> Any:
     return _tree.tree_unflatten(plan.out_tree, outs)
 
 
-@torch_call_p.def_lowering(out_types=True)
-def _lowering(*args: Any, fn: Any, options: Options, out_types: Any) -> Any:
+@torch_call_p.def_lowering(signature=True)
+def _lowering(*args: Any, fn: Any, options: Options, signature: Any) -> Any:
     """Under jit: a buffer_callback that runs fn on XLA's buffers (see _lowering.py)."""
     del options
-    operands, *parts = _plan_parts(args, out_types)
+    operands, *parts = _plan_parts(args, signature.out_types)
     plan = _CallPlan(fn, *parts)
     outs = callback_call(plan, operands, plan.structs, plan.out_paths)
     return _tree.tree_unflatten(plan.out_tree, outs)
