@@ -223,7 +223,7 @@ def array_to_tensor(a: Any, where: str = "value") -> torch.Tensor:
 
 def is_array(x: Any) -> bool:
     """Whether a pytree leaf is array data (as opposed to a static value)."""
-    return isinstance(x, jax.Array | np.ndarray | jax.core.Tracer)
+    return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
 
 
 def _leaf_path(path: tuple) -> str:

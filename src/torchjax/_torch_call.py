@@ -241,7 +241,8 @@ def _impl(*args: Any, fn: Any, options: Options, signature: Any) -> Any:
         operands, *parts = _plan_parts(args, signature.out_types)
         plan = signature.memo["plan"] = _CallPlan(fn, *parts)
     else:
-        operands = [x for x in _tree.tree_leaves(args) if _is_operand(x)]
+        leaves = _tree.tree_leaves(args)
+        operands = [leaves[i] for i in plan.positions]
     tensors = [array_to_tensor(x) for x in operands]
     results = plan(tensors)
     storages = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
