@@ -24,8 +24,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torchjax._batching import as_tensor
 from torchjax._convert import torch_dtype
 from torchjax._errors import AutodiffError
-from torchjax._primitive import Linear, _is_operand
-from torchjax._torch_call import Options, torch_call_p
+from torchjax._pytree_types import Linear, _is_operand
+from torchjax._torch_call import DerivedFunction, Options, torch_call_p
 
 _tree = jax.tree_util
 
@@ -49,7 +49,7 @@ def _inexact(dtype: Any) -> bool:
     return jax.numpy.issubdtype(dtype, jax.numpy.inexact)
 
 
-class _Derivative:
+class _Derivative(DerivedFunction):
     """Shared plumbing of JvpFunction and VjpFunction: select leaves, name errors."""
 
     inner: Any
@@ -57,11 +57,8 @@ class _Derivative:
     out_mask: tuple
     grad_method: str
 
-    @property
-    def root(self) -> Any:
-        return self.inner.root
-
     def arg_path(self, path: tuple) -> str:
+        # Their args are (primals, tangents or cotangents), not the user's (args, kwargs).
         return "args" + _tree.keystr(path)
 
     def _restricted(self, primals: tuple) -> tuple[Any, list]:

@@ -22,8 +22,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 from torchjax._convert import torch_dtype
 from torchjax._errors import VmapError
-from torchjax._primitive import _is_operand
-from torchjax._torch_call import Options, torch_call_p
+from torchjax._pytree_types import _is_operand
+from torchjax._torch_call import DerivedFunction, Options, torch_call_p
 
 _tree = jax.tree_util
 
@@ -45,7 +45,7 @@ RANDOMNESS_HINT = (
 
 
 @dataclasses.dataclass(frozen=True)
-class BatchedFunction:
+class BatchedFunction(DerivedFunction):
     """``torch.func.vmap(inner)`` over the tensor leaves of inner's positional args.
 
     Attributes:
@@ -57,13 +57,6 @@ class BatchedFunction:
     inner: Any
     in_dims: tuple
     randomness: str
-
-    @property
-    def root(self) -> Any:
-        return self.inner.root
-
-    def arg_path(self, path: tuple) -> str:
-        return self.inner.arg_path(path)
 
     def __call__(self, *args: Any) -> Any:
         leaves, tree = _tree.tree_flatten(args)
@@ -140,7 +133,7 @@ class BatchedFunction:
 
 
 @dataclasses.dataclass(frozen=True)
-class LeadingAxisFunction:
+class LeadingAxisFunction(DerivedFunction):
     """``inner`` called on inputs that all carry a leading batch axis of ``size`` (or 1).
 
     vmap_method "expand_dims" and "broadcast_all": inner handles the batch axis itself, so
@@ -151,13 +144,6 @@ class LeadingAxisFunction:
 
     inner: Any
     size: int
-
-    @property
-    def root(self) -> Any:
-        return self.inner.root
-
-    def arg_path(self, path: tuple) -> str:
-        return self.inner.arg_path(path)
 
     def __call__(self, *args: Any) -> Any:
         return self.inner(*args)

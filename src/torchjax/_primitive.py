@@ -22,122 +22,24 @@ import numpy as np
 from jax._src import core, dispatch
 from jax._src.interpreters import ad, batching, mlir
 
-from torchjax._errors import OutputMismatchError, RuleError, StaticArgumentError
+from torchjax._errors import OutputMismatchError, RuleError
+from torchjax._pytree_types import (
+    _ARRAY,
+    _OPERAND_TYPES,
+    Linear,
+    Signature,
+    _arg_path,
+    _at_top_level,
+    _broadcast_prefix,
+    _check_hashable,
+    _eager_type,
+    _is_operand,
+    _out_aval,
+    _path_str,
+    _rebuild,
+)
 
 _tree = jax.tree_util
-
-
-class _ArrayLeaf:
-    """Placeholder for an operand's position among the static leaves (a singleton)."""
-
-    def __repr__(self) -> str:
-        return "<array>"
-
-
-_ARRAY = _ArrayLeaf()
-
-
-class Linear:
-    """Marks an argument leaf that is a linear input of a transpose rule.
-
-    A transpose rule receives a `Linear` wherever the primal value is undefined, i.e.
-    where JAX asks for a cotangent. Test for it with ``isinstance(x, PytreePrimitive.Linear)``.
-
-    Attributes:
-      shape: the input's shape.
-      dtype: the input's dtype.
-      aval: the input's ``jax.core.ShapedArray``.
-    """
-
-    __slots__ = ("aval",)
-
-    def __init__(self, aval: core.ShapedArray):
-        self.aval = aval
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.aval.shape
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.aval.dtype
-
-    def __repr__(self) -> str:
-        return f"Linear({self.aval.str_short()})"
-
-
-class Signature:
-    """The output side of one bind signature, found once by abstract_eval and reused.
-
-    One object per distinct (structure, static leaves, avals, params), so rules may memoize
-    per-signature work in ``memo`` (a dict). Travels as the ``signature`` param of the
-    underlying primitive; compares by value (``out_tree``, ``out_avals``).
-    """
-
-    __slots__ = ("out_tree", "out_avals", "memo", "_hash", "_out_types")
-
-    def __init__(self, out_tree: Any, out_avals: tuple):
-        self.out_tree, self.out_avals = out_tree, out_avals
-        self.memo: dict = {}
-        self._hash = hash((out_tree, out_avals))
-        self._out_types = None
-
-    @property
-    def out_types(self) -> Any:
-        """The outputs as a pytree of ``jax.ShapeDtypeStruct`` (shared: do not mutate)."""
-        if self._out_types is None:
-            structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.out_avals]
-            self._out_types = _tree.tree_unflatten(self.out_tree, structs)
-        return self._out_types
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Signature)
-            and self.out_tree == other.out_tree
-            and self.out_avals == other.out_avals
-        )
-
-    def __repr__(self) -> str:
-        return f"Signature({self.out_tree}, {[a.str_short() for a in self.out_avals]})"
-
-
-_OPERAND_TYPES = (jax.Array, np.ndarray, core.Tracer)  # a tuple: isinstance's fastest form
-
-
-def _is_operand(x: Any) -> bool:
-    return isinstance(x, _OPERAND_TYPES)
-
-
-def _path_str(prefix: str, path: tuple) -> str:
-    return prefix + _tree.keystr(path)
-
-
-def _arg_path(path: tuple) -> str:
-    # Paths of bind's positional args read as `args[0]['a']`.
-    return "args" + _tree.keystr(path)
-
-
-def _check_hashable(value: Any, where: str) -> None:
-    try:
-        hash(value)
-    except TypeError:
-        raise StaticArgumentError(
-            f"{where} is a {type(value).__name__}, which is neither an array nor hashable. "
-            f"Non-array leaves are static values and must be hashable (they become part of "
-            f"the jit cache key). Pass it as an array, or as a tuple/frozenset instead."
-        ) from None
-
-
-def _out_aval(leaf: Any, manual: core.ShapedArray | None) -> core.ShapedArray:
-    """An output aval; inside shard_map it varies over the manual axes its inputs do."""
-    shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
-    if manual is None:
-        return core.ShapedArray(shape, dtype)
-    sharding = jax.sharding.NamedSharding(manual.sharding.mesh, jax.P(*([None] * len(shape))))
-    return core.ShapedArray(shape, dtype, sharding=sharding, manual_axis_type=manual.mat)
 
 
 class PytreePrimitive:
@@ -491,39 +393,3 @@ class PytreePrimitive:
             else:
                 result.append(ct)
         return result
-
-
-def _eager_type(x: Any) -> tuple:
-    return (x.shape, x.dtype, getattr(x, "weak_type", False))
-
-
-def _at_top_level() -> bool:
-    """Whether no JAX transformation or trace is active (binding would just evaluate)."""
-    return type(core.trace_ctx.trace) is core.EvalTrace
-
-
-def _rebuild(in_tree, statics: tuple, operands, fill: Any = _ARRAY) -> tuple:
-    """Bind's positional args, with `operands` at the array positions.
-
-    With `fill` given, static positions get `fill` instead of their value (used to build
-    the batch-axes and tangent trees, which hold None at static leaves).
-    """
-    it = iter(operands)
-    if fill is _ARRAY:
-        leaves = [next(it) if s is _ARRAY else s for s in statics]
-    else:
-        leaves = [next(it) if s is _ARRAY else fill for s in statics]
-    return _tree.tree_unflatten(in_tree, leaves)
-
-
-def _broadcast_prefix(value: Any, tree, rule: str, name: str, what: str) -> list:
-    """Flatten `value` (an int/None/array per leaf of `tree`, or one for all) to a list."""
-    if value is None or isinstance(value, int):
-        return [value] * tree.num_leaves
-    try:
-        return tree.flatten_up_to(value)
-    except (ValueError, TypeError) as e:
-        raise OutputMismatchError(
-            f"{name}: the {rule} rule returned {what} whose structure does not match the "
-            f"output's {tree}: {e}"
-        ) from None

@@ -27,7 +27,8 @@ from torchjax._errors import (
     TorchJaxError,
 )
 from torchjax._lowering import callback_call
-from torchjax._primitive import PytreePrimitive, _is_operand
+from torchjax._primitive import PytreePrimitive
+from torchjax._pytree_types import _is_operand
 from torchjax._shapes import check_versions, fake_eval, function_name
 
 _tree = jax.tree_util
@@ -96,6 +97,23 @@ class UserFunction:
 
     def call_failure(self, error: Exception) -> Exception:
         return TorchCallError(f"{self.name} raised {type(error).__name__}: {error}")
+
+
+class DerivedFunction:
+    """Base of the torch callables a transformation derives from another one, `inner`.
+
+    They report errors under the user's function (`root`) and name arguments as it does,
+    unless their own arguments are laid out differently (then they override arg_path).
+    """
+
+    inner: Any
+
+    @property
+    def root(self) -> UserFunction:
+        return self.inner.root
+
+    def arg_path(self, path: tuple) -> str:
+        return self.inner.arg_path(path)
 
 
 torch_call_p = PytreePrimitive("torch_call")
