@@ -39,6 +39,28 @@ def median_seconds(fn: Callable[[], object], repeat: int | None = None) -> float
     return statistics.median(t / number for t in runs)
 
 
+def paired_seconds(fn: Callable[[], object], base: Callable[[], object]) -> tuple[float, float]:
+    """Medians of `fn` and `base`, timed in alternating runs.
+
+    On a shared machine the speed drifts over seconds; alternating the runs exposes both
+    functions to the same drift, so their ratio is steadier than from separate medians.
+    """
+    fn(), base()  # warm up: compile, fill caches
+    timers = timeit.Timer(fn), timeit.Timer(base)
+    numbers = [_calls_per_run(t) for t in timers]
+    runs: tuple[list[float], list[float]] = ([], [])
+    for _ in range(REPEAT):
+        for timer, number, out in zip(timers, numbers, runs, strict=True):
+            out.append(timer.timeit(number) / number)
+    return statistics.median(runs[0]), statistics.median(runs[1])
+
+
+def paired_row(name: str, fn: Callable[[], object], base_name: str, base: Callable) -> Row:
+    """A table row whose case and baseline were timed in alternating runs."""
+    t, t_base = paired_seconds(fn, base)
+    return (name, t, base_name, t_base)
+
+
 def format_table(title: str, rows: list[Row]) -> str:
     """A markdown table of medians and ratios under a `### title` heading."""
     lines = [

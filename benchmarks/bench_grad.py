@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax
 import torch
-from _timing import Table, format_tables, median_seconds
+from _timing import Table, format_tables, paired_row
 
 import torchjax
 
@@ -58,17 +58,17 @@ def measure() -> list[Table]:
         (
             f"MLP {D_IN}-{D_HIDDEN}-{D_OUT}, batch {BATCH}",
             [
-                (
+                paired_row(
                     "jax.jit(jax.grad(loss))",
-                    median_seconds(lambda: jax.block_until_ready(grad_fn(params, x, y))),
+                    lambda: jax.block_until_ready(grad_fn(params, x, y)),
                     "torch forward + backward",
-                    median_seconds(torch_grad),
+                    torch_grad,
                 ),
-                (
+                paired_row(
                     "jax.jit(jax.jvp(f))",
-                    median_seconds(lambda: jax.block_until_ready(jvp_fn(x, tangent))),
+                    lambda: jax.block_until_ready(jvp_fn(x, tangent)),
                     "torch.func.jvp",
-                    median_seconds(torch_jvp),
+                    torch_jvp,
                 ),
             ],
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import torch
-from _timing import Table, format_tables, median_seconds
+from _timing import Table, format_tables, paired_row
 from jax.experimental.buffer_callback import buffer_callback
 
 import torchjax
@@ -41,30 +41,19 @@ def measure() -> list[Table]:
             lambda a: a + 1, jax.ShapeDtypeStruct((n,), jnp.float32), x, vmap_method="sequential"
         )
     )
-    floor = median_seconds(lambda: hand(x).block_until_ready())
-    native = median_seconds(lambda: add_one(t))
+    floor_name, floor = "hand-written buffer_callback", lambda: hand(x).block_until_ready()
     small = (
         "f(x) = x + 1 on 16 float32",
         [
-            (
-                "to_jax under jit",
-                median_seconds(lambda: f_jit(x).block_until_ready()),
-                "hand-written buffer_callback",
-                floor,
-            ),
-            (
-                "to_jax eager",
-                median_seconds(lambda: f(x).block_until_ready()),
-                "hand-written buffer_callback",
-                floor,
-            ),
-            (
+            paired_row("to_jax under jit", lambda: f_jit(x).block_until_ready(), floor_name, floor),
+            paired_row("to_jax eager", lambda: f(x).block_until_ready(), floor_name, floor),
+            paired_row(
                 "jax.pure_callback under jit",
-                median_seconds(lambda: pure(x).block_until_ready()),
-                "hand-written buffer_callback",
+                lambda: pure(x).block_until_ready(),
+                floor_name,
                 floor,
             ),
-            ("native torch", native, "hand-written buffer_callback", floor),
+            paired_row("native torch", lambda: add_one(t), floor_name, floor),
         ],
     )
 
@@ -78,17 +67,17 @@ def measure() -> list[Table]:
     large = (
         "f(x) = x * 2 on 2**24 float32",
         [
-            (
+            paired_row(
                 "to_jax under jit",
-                median_seconds(lambda: f_jit(x).block_until_ready()),
+                lambda: f_jit(x).block_until_ready(),
                 "hand-written compute-then-copy",
-                median_seconds(lambda: hand(x).block_until_ready()),
+                lambda: hand(x).block_until_ready(),
             ),
-            (
+            paired_row(
                 "to_jax eager",
-                median_seconds(lambda: f(x).block_until_ready()),
+                lambda: f(x).block_until_ready(),
                 "native torch",
-                median_seconds(lambda: times_two(t)),
+                lambda: times_two(t),
             ),
         ],
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax
 import torch
-from _timing import Table, format_tables, median_seconds
+from _timing import Table, format_tables, paired_row
 
 import torchjax
 
@@ -40,22 +40,22 @@ def measure() -> list[Table]:
     for f in (batched, sequential):  # same numbers before timing them
         assert abs(jax.device_get(f(params, xs)) - want).max() < 1e-4
 
-    base = median_seconds(lambda: native(params_t, xs_t))
+    base_name, base = "native torch.func.vmap", lambda: native(params_t, xs_t)
     mlp = f"MLP {D_IN}-{D_HIDDEN}-{D_OUT}"
     return [
         (
             f"jit(vmap(to_jax(per_example_mlp))) over {BATCH} examples, {mlp}",
             [
-                (
+                paired_row(
                     "vmap_method='torch'",
-                    median_seconds(lambda: batched(params, xs).block_until_ready()),
-                    "native torch.func.vmap",
+                    lambda: batched(params, xs).block_until_ready(),
+                    base_name,
                     base,
                 ),
-                (
+                paired_row(
                     "vmap_method='sequential'",
-                    median_seconds(lambda: sequential(params, xs).block_until_ready()),
-                    "native torch.func.vmap",
+                    lambda: sequential(params, xs).block_until_ready(),
+                    base_name,
                     base,
                 ),
             ],
