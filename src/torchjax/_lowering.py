@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import torch
 
-from torchjax._convert import narrow_checked, torch_dtype
+from torchjax._convert import array_to_tensor, narrow_checked, torch_dtype
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -83,16 +83,9 @@ def _run_into(run: Run, ins: Sequence, outs: Sequence, out_paths: Sequence[str],
         write_output(wrap(buf), value, where)
 
 
-def _numpy_to_tensor(a: np.ndarray) -> torch.Tensor:
-    a = np.array(a, copy=True)  # pure_callback's arrays may be read-only views
-    if a.dtype == jax.numpy.bfloat16:  # numpy has no bfloat16; reinterpret the bits
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
-
-
 def _pure_callback_call(run, operands, out_structs, out_paths):
     def host(*arrays: np.ndarray) -> list[np.ndarray]:
-        tensors = [_numpy_to_tensor(a) for a in arrays]
+        tensors = [array_to_tensor(a) for a in arrays]  # the one numpy conversion
         results = []
         for s, value, where in zip(out_structs, run(tensors), out_paths, strict=True):
             dst = torch.empty(s.shape, dtype=torch_dtype(s.dtype))

@@ -140,10 +140,10 @@ def _abstract_eval(*args: Any, fn: Any, options: Options) -> Any:
 
 
 @functools.lru_cache(maxsize=1024)
-def _output_paths(out_tree: Any) -> list[str]:
-    """`out[...]` paths of the flat outputs, for messages (cached per output structure)."""
-    dummy = _tree.tree_unflatten(out_tree, range(out_tree.num_leaves))
-    return ["out" + _tree.keystr(p) for p, _ in _tree.tree_flatten_with_path(dummy)[0]]
+def _leaf_paths(tree: Any) -> list[tuple]:
+    """The key path of every leaf of a treedef, in flattening order (for messages)."""
+    dummy = _tree.tree_unflatten(tree, range(tree.num_leaves))
+    return [p for p, _ in _tree.tree_flatten_with_path(dummy)[0]]
 
 
 class _CallPlan:
@@ -162,7 +162,7 @@ class _CallPlan:
         self.structs = structs
         self.out_dtypes = [torch_dtype(s.dtype) for s in structs]
         self.out_shapes = [tuple(s.shape) for s in structs]
-        self.out_paths = _output_paths(out_tree)
+        self.out_paths = ["out" + _tree.keystr(p) for p in _leaf_paths(out_tree)]
 
     def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Run fn on `tensors`; return its flat outputs as tensors of the declared shapes.
@@ -228,8 +228,7 @@ class _CallPlan:
         )
 
     def _raise_mutated(self, tensors: list, versions: list) -> None:
-        dummy = _tree.tree_unflatten(self.in_tree, range(self.in_tree.num_leaves))
-        paths = dict((i, p) for p, i in _tree.tree_flatten_with_path(dummy)[0])
+        paths = _leaf_paths(self.in_tree)
         names = [self.fn.root.arg_path(paths[i]) for i in self.positions]
         check_versions(tensors, versions, names, self.name, "seen after the real call")
 
