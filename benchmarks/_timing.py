@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 import statistics
+import time
 import timeit
 from collections.abc import Callable
 
 REPEAT = 7  # runs per measurement; the median of these is reported
 MIN_RUN_SECONDS = 0.2  # each run makes enough calls to last at least this long
+MIN_PAIRS = 5  # paired_seconds times at least this many calls of each function
 
 Row = tuple[str, float, str, float]  # (case, seconds, baseline name, baseline seconds)
 Table = tuple[str, list[Row]]  # (title, rows)
@@ -40,19 +42,27 @@ def median_seconds(fn: Callable[[], object], repeat: int | None = None) -> float
 
 
 def paired_seconds(fn: Callable[[], object], base: Callable[[], object]) -> tuple[float, float]:
-    """Medians of `fn` and `base`, timed in alternating runs.
+    """Medians of `fn` and `base`, called alternately, one call each, over and over.
 
-    On a shared machine the speed drifts over seconds; alternating the runs exposes both
-    functions to the same drift, so their ratio is steadier than from separate medians.
+    On a shared machine the speed drifts within fractions of a second (other tenants,
+    cache contents). Alternating single calls exposes both functions to the same
+    conditions at every moment, so their ratio is steadier than from separate runs. Runs
+    for REPEAT * MIN_RUN_SECONDS per function (at least MIN_PAIRS pairs); per-call timer
+    overhead is well under a microsecond.
     """
     fn(), base()  # warm up: compile, fill caches
-    timers = timeit.Timer(fn), timeit.Timer(base)
-    numbers = [_calls_per_run(t) for t in timers]
-    runs: tuple[list[float], list[float]] = ([], [])
-    for _ in range(REPEAT):
-        for timer, number, out in zip(timers, numbers, runs, strict=True):
-            out.append(timer.timeit(number) / number)
-    return statistics.median(runs[0]), statistics.median(runs[1])
+    clock = time.perf_counter
+    times: tuple[list[float], list[float]] = ([], [])
+    deadline = clock() + 2 * REPEAT * MIN_RUN_SECONDS
+    while clock() < deadline or len(times[0]) < MIN_PAIRS:
+        t0 = clock()
+        fn()
+        t1 = clock()
+        base()
+        t2 = clock()
+        times[0].append(t1 - t0)
+        times[1].append(t2 - t1)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def paired_row(name: str, fn: Callable[[], object], base_name: str, base: Callable) -> Row:

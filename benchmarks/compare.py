@@ -353,9 +353,12 @@ def machine_lines() -> list[str]:
         f"- OS: {platform.platform()}",
         f"- JAX devices: {', '.join(str(d) for d in jax.devices())}",
         f"- Versions: {', '.join(versions)}",
-        f"- Timing: each number is the median of {_timing.REPEAT} runs; each run makes enough "
-        f"calls to last at least {_timing.MIN_RUN_SECONDS:g} s, after one warm-up call "
-        "(compilation is not timed)",
+        f"- Timing: a case and its baseline are called alternately, one call each, for "
+        f"{2 * _timing.REPEAT * _timing.MIN_RUN_SECONDS:g} s (at least {_timing.MIN_PAIRS} "
+        f"calls each); each number is the median of its calls. Unpaired numbers (the size "
+        f"sweep, conversion, to_torch) are the median of {_timing.REPEAT} runs, each long "
+        f"enough to last {_timing.MIN_RUN_SECONDS:g} s. One warm-up call comes first "
+        "(compilation is not timed).",
     ]
 
 

@@ -201,7 +201,8 @@ def test_checkpoint(jit):
     _close(wrap(jax.hessian(ck(sin_t)))(x), jax.jit(jax.hessian(ck(jnp.sin)))(x))
 
 
-def test_checkpoint_recomputes_in_torch():
+def _counted_sin() -> tuple[Any, list]:
+    """to_jax(torch.sin), and the list that gets one entry per real (not fake) call."""
     calls = []
 
     def fn(x):
@@ -209,7 +210,11 @@ def test_checkpoint_recomputes_in_torch():
             calls.append(1)
         return torch.sin(x)
 
-    f = torchjax.to_jax(fn)
+    return torchjax.to_jax(fn), calls
+
+
+def test_checkpoint_recomputes_in_torch():
+    f, calls = _counted_sin()
     x = jnp.array([0.3, -0.8, 1.2])
     plain = jax.grad(lambda x: (f(f(x)) * x).sum())
     remat = jax.grad(jax.checkpoint(lambda x: (f(f(x)) * x).sum()))
@@ -224,3 +229,14 @@ def test_checkpoint_recomputes_in_torch():
     (eqn,) = [e for e in jax.make_jaxpr(remat)(x).eqns if e.primitive.name.startswith("remat")]
     inner = [e.primitive.name for e in eqn.params["jaxpr"].eqns]
     assert inner.count("torch_call") == 4
+
+
+def test_checkpoint_policy_that_saves_runs_no_torch_call_twice():
+    f, calls = _counted_sin()
+    x = jnp.array([0.3, -0.8, 1.2])
+    loss = lambda x: (f(f(x)) * x).sum()
+    saving = jax.grad(jax.checkpoint(loss, policy=jax.checkpoint_policies.everything_saveable))
+    _close(saving(x), jax.grad(lambda x: (jnp.sin(jnp.sin(x)) * x).sum())(x))
+    calls.clear()
+    saving(x)
+    assert len(calls) == 4  # two forward calls, two VJP calls: the outputs were saved

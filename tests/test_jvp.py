@@ -3,7 +3,9 @@
 #
 # References are the same functions written in jax.numpy. Symbolic zeros are checked in
 # the jaxpr: the JvpFunction equation must receive tangents only for the leaves that have
-# them, and no JvpFunction equation must appear where no tangent can be nonzero.
+# them, and no JvpFunction equation must appear where no tangent can be nonzero. jax.jvp
+# is one torch call; where JAX needs the primal and tangent halves apart (linearize,
+# checkpoint, jacfwd's vmap over tangents) the jaxpr must show them split.
 from __future__ import annotations
 
 from typing import Any
@@ -117,7 +119,7 @@ def test_integer_and_bool_outputs_have_zero_tangents():
         _torch_calls(jax.make_jaxpr(lambda x: jax.jvp(f, (x,), (x,)))(X).jaxpr), "JvpFunction"
     )
     assert fn.out_mask == (True, False, False, False, True)
-    assert len(eqn.outvars) == 2
+    assert len(eqn.outvars) == 5 + 2  # every output, then the two float outputs' tangents
 
 
 def test_pytree_inputs_and_outputs():
@@ -126,6 +128,58 @@ def test_pytree_inputs_and_outputs():
     d = {"a": X, "b": Y}
     t = {"a": jnp.ones(3), "b": jnp.array([1.0, 0.0, 2.0])}
     _close(jax.jvp(f, (d,), (t,)), jax.jvp(fj, (d,), (t,)))
+
+
+def _counting(fn):
+    calls = []
+
+    def counted(*args):
+        if not any(is_fake(a) for a in args):
+            calls.append(1)
+        return fn(*args)
+
+    return counted, calls
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_jvp_is_one_torch_call(jit):
+    counted, calls = _counting(lambda x, y: torch.sin(x) * y)
+    f = torchjax.to_jax(counted)
+    g = lambda x, y, t: jax.jvp(f, (x, y), (t, t))
+    g = jax.jit(g) if jit else g
+    out, t = g(X, Y, jnp.ones(3))
+    _close(out, jnp.sin(X) * Y)
+    _close(t, jnp.cos(X) * Y + jnp.sin(X))
+    calls.clear()
+    jax.block_until_ready(g(X, Y, jnp.ones(3)))
+    assert len(calls) == 1
+    ((fn, eqn),) = _torch_calls(jax.make_jaxpr(g)(X, Y, jnp.ones(3)).jaxpr)
+    assert type(fn).__name__ == "JvpFunction" and fn.with_primals
+    assert len(eqn.outvars) == 2  # the output and its tangent
+
+
+def test_linearize_splits_the_call_into_primal_and_linear_halves():
+    f = torchjax.to_jax(lambda x: torch.sin(x))
+    jaxpr = jax.make_jaxpr(lambda x, t: jax.linearize(f, x)[1](t))(X, X)
+    kinds = sorted(
+        (type(fn).__name__, getattr(fn, "with_primals", None))
+        for fn, _ in _torch_calls(jaxpr.jaxpr)
+    )
+    assert kinds == [("JvpFunction", False), ("UserFunction", None)]
+
+
+def test_jacfwd_computes_the_primal_once_unbatched():
+    counted, calls = _counting(lambda x: torch.sin(x) * x.sum())
+    f = torchjax.to_jax(counted)
+    fj = lambda x: jnp.sin(x) * x.sum()
+    _close(jax.jacfwd(f)(X), jax.jacfwd(fj)(X))
+    calls.clear()
+    jax.jacfwd(f)(X)
+    assert len(calls) == 2  # the primal, and the tangents batched in one torch.vmap call
+    fns = [fn for fn, _ in _torch_calls(jax.make_jaxpr(jax.jacfwd(f))(X).jaxpr)]
+    assert sorted(type(fn).__name__ for fn in fns) == ["BatchedFunction", "UserFunction"]
+    (batched,) = [fn for fn in fns if type(fn).__name__ == "BatchedFunction"]
+    assert type(batched.inner).__name__ == "JvpFunction" and not batched.inner.with_primals
 
 
 def test_linearize():

@@ -122,7 +122,8 @@ def test_nested_vmap_counts_torch_func_vmap_calls(monkeypatch):
     jax.block_until_ready(g({"a": a, "b": b}))
     seen.clear()
     jax.block_until_ready(g({"a": a, "b": b}))  # shapes cached: only the real call remains
-    assert seen == [(0, None), (0, 1)]
+    # The outer vmap maps only 'a': the unbatched 'b' is captured, not passed with None.
+    assert seen == [(0,), (0, 1)]
 
 
 # -- in_axes, out_axes, arguments --------------------------------------------------------

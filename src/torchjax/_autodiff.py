@@ -1,11 +1,13 @@
 # Autodiff of a torch call: JVP through torch.func.jvp, transpose through torch.func.vjp.
 #
-# The JVP rule binds torch_call_p twice: fn(primals) for the primal output, and
-# JvpFunction(fn)(primals, tangents), which is linear in the tangents, for the tangent
-# output. JAX's linearize moves the second call into the linear part, and the transpose
-# rule turns it into VjpFunction(fn)(primals, cotangents). Both are torch callables bound to
-# the same primitive, so they are batched, differentiated and transposed again by the same
-# rules: grad of grad, hessian, vmap of grad and jit of all of them need no special case.
+# The JVP rule binds torch_call_p once, for JvpFunction(fn, with_primals=True): one
+# torch.func.jvp gives the outputs and their tangents. Where JAX needs the two halves apart
+# (linearize, grad, checkpoint, scan, jacfwd), _split_jvp.py splits that call into
+# fn(primals) and JvpFunction(fn)(primals, tangents), which is linear in the tangents; the
+# transpose rule turns the latter into VjpFunction(fn)(primals, cotangents). All of these
+# are torch callables bound to the same primitive, so they are batched, differentiated and
+# transposed again by the same rules: grad of grad, hessian, vmap of grad and jit of all of
+# them need no special case.
 #
 # Leaves are addressed by their index among the flat leaves of the positional args
 # (`wrt`), and outputs by a mask over the flat output leaves (`out_mask`: the inexact
@@ -62,7 +64,11 @@ class _Derivative(DerivedFunction):
         return "args" + _tree.keystr(path)
 
     def _restricted(self, primals: tuple) -> tuple[Any, list]:
-        """(g, x): g(*x) is inner's masked outputs as a function of the `wrt` leaves."""
+        """(g, x): g(*x) is inner's masked outputs as a function of the `wrt` leaves.
+
+        g returns ``(masked, rest)``, both tensors: the masked outputs, and the others,
+        which torch.func passes through as aux, untouched by the transform.
+        """
         leaves, tree = _tree.tree_flatten(primals)
         device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), None)
         leaves = [
@@ -78,9 +84,11 @@ class _Derivative(DerivedFunction):
                 new[i] = t
             outs = _tree.tree_leaves(self.inner(*_tree.tree_unflatten(tree, new)))
             # A Python number output is a constant: as a tensor, its derivative is zero.
-            return tuple(
+            masked = tuple(
                 as_tensor(o, device) for o, m in zip(outs, self.out_mask, strict=True) if m
             )
+            rest = [as_tensor(o, device) for o, m in zip(outs, self.out_mask, strict=True) if not m]
+            return masked, rest
 
         return g, [leaves[i] for i in self.wrt]
 
@@ -115,18 +123,29 @@ def _on_tape(x: list[torch.Tensor]) -> list[torch.Tensor]:
 
 @dataclasses.dataclass(frozen=True)
 class JvpFunction(_Derivative):
-    """``(primals, tangents) -> tangents of inner's masked outputs``; linear in tangents."""
+    """``(primals, tangents) -> tangents of inner's masked outputs``; linear in tangents.
+
+    With ``with_primals`` it returns inner's outputs too, flat and first: ``(*outputs,
+    *tangents)``, from the one torch.func.jvp that computes both. The JVP rule binds that
+    form; where JAX needs the halves apart (linearize, grad, checkpoint, jacfwd), the
+    rules in _split_jvp.py split it back into the primal call and the linear form.
+    """
 
     inner: Any
     wrt: tuple
     out_mask: tuple
     grad_method: str
+    with_primals: bool = False
+
+    @property
+    def linear(self) -> JvpFunction:
+        return dataclasses.replace(self, with_primals=False)
 
     def __call__(self, primals: tuple, tangents: tuple) -> tuple:
         g, x = self._restricted(primals)
         if self.grad_method == "torch.func":
             try:
-                return tuple(torch.func.jvp(g, tuple(x), tuple(tangents))[1])
+                outs, t_outs, rest = torch.func.jvp(g, tuple(x), tuple(tangents), has_aux=True)
             except NotImplementedError:
                 # Forward AD is missing for many kernels (fused attention, custom
                 # autograd.Functions without jvp) whose reverse mode works. jax.grad only
@@ -135,44 +154,59 @@ class JvpFunction(_Derivative):
                 # call (jax.jvp, jacfwd) still fails, naming grad_method='autograd'.
                 if not any(is_fake(t) for t in (*x, *tangents)):
                     raise
-                return tuple(torch.empty_like(o) for o in g(*x))
-        # Forward mode from reverse mode: J t = d/du [u^T J]^T t, with u a dummy cotangent.
+                outs, rest = g(*x)
+                t_outs = tuple(torch.empty_like(o) for o in outs)
+        else:
+            outs, t_outs, rest = self._jvp_by_double_vjp(g, x, tangents)
+        if not self.with_primals:
+            return tuple(t_outs)
+        done, others = iter(outs), iter(rest)
+        merged = [next(done) if m else next(others) for m in self.out_mask]
+        return (*merged, *t_outs)
+
+    def _jvp_by_double_vjp(self, g: Any, x: list, tangents: tuple) -> tuple:
+        """Forward mode from reverse mode: J t = d/du [u^T J]^T t, u a dummy cotangent."""
         with torch.enable_grad():
             x = _on_tape(x)
-            out = g(*x)
+            out, rest = g(*x)
             result = [torch.zeros_like(o) for o in out]
             # An output off the tape does not depend on x: its tangent is zero, and
             # autograd.grad refuses it, so only outputs on the tape take part.
             live = [i for i, o in enumerate(out) if o.requires_grad]
-            if not live:
-                return tuple(result)
-            u = [torch.zeros_like(out[i], requires_grad=True) for i in live]
-            vjp = torch.autograd.grad(
-                [out[i] for i in live],
-                x,
-                u,
-                create_graph=True,
-                allow_unused=True,
-                materialize_grads=True,
-            )
-            pairs = [(v, t) for v, t in zip(vjp, tangents, strict=True) if v.requires_grad]
-            if not pairs:
-                return tuple(result)
-            jt = torch.autograd.grad(
-                [v for v, _ in pairs],
-                u,
-                [t for _, t in pairs],
-                create_graph=True,
-                allow_unused=True,
-                materialize_grads=True,
-            )
-        for i, t in zip(live, jt, strict=True):
-            result[i] = t
-        return tuple(result)
+            pairs, u = [], []
+            if live:
+                u = [torch.zeros_like(out[i], requires_grad=True) for i in live]
+                vjp = torch.autograd.grad(
+                    [out[i] for i in live],
+                    x,
+                    u,
+                    create_graph=True,
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+                pairs = [(v, t) for v, t in zip(vjp, tangents, strict=True) if v.requires_grad]
+            if pairs:
+                jt = torch.autograd.grad(
+                    [v for v, _ in pairs],
+                    u,
+                    [t for _, t in pairs],
+                    create_graph=True,
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+                for i, t in zip(live, jt, strict=True):
+                    result[i] = t
+        return out, tuple(result), rest
 
     def declared_shapes(self, options: Options, primals: tuple, tangents: tuple) -> tuple:
         del tangents
-        return tuple(self._inner_outputs(options, primals))
+        masked = tuple(self._inner_outputs(options, primals))
+        if not self.with_primals:
+            return masked
+        every = _tree.tree_leaves(
+            torch_call_p.abstract_eval(*primals, fn=self.inner, options=options)
+        )
+        return (*every, *masked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,26 +226,14 @@ class VjpFunction(_Derivative):
 
     def _pullback(self, primals: tuple, cotangents: tuple) -> tuple:
         g, x = self._restricted(primals)
-        if self.grad_method == "torch.func":
-            _, pullback = torch.func.vjp(g, *x)
-            return tuple(pullback(tuple(cotangents)))
-        with torch.enable_grad():
-            x = _on_tape(x)
-            out = g(*x)
-            # Outputs off the tape do not depend on x and contribute nothing.
-            pairs = [(o, c) for o, c in zip(out, cotangents, strict=True) if o.requires_grad]
-            if not pairs:
-                return tuple(torch.zeros_like(xi) for xi in x)
-            return tuple(
-                torch.autograd.grad(
-                    [o for o, _ in pairs],
-                    x,
-                    [c for _, c in pairs],
-                    create_graph=True,
-                    allow_unused=True,
-                    materialize_grads=True,
-                )
-            )
+        if self.grad_method == "autograd":
+            return _autograd_pullback(g, x, cotangents, create_graph=True)
+        if _outermost((primals, cotangents)):
+            # Nothing outside this call to differentiate it further: torch.func.vjp would
+            # compute the same with plain autograd, plus its transform's per-op overhead.
+            return _autograd_pullback(g, x, cotangents, create_graph=False)
+        _, pullback, _ = torch.func.vjp(g, *x, has_aux=True)
+        return tuple(pullback(tuple(cotangents)))
 
     def declared_shapes(self, options: Options, primals: tuple, cotangents: tuple) -> tuple:
         del options, cotangents
@@ -219,10 +241,40 @@ class VjpFunction(_Derivative):
         return tuple(jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in self.wrt)
 
 
+def _outermost(args: Any) -> bool:
+    """Whether nothing outside this call will differentiate it: no torch.func transform is
+    active, and no tensor among its arguments is on an autograd tape."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    if peek is None or peek() is not None:
+        return False
+    return not any(isinstance(t, torch.Tensor) and t.requires_grad for t in _tree.tree_leaves(args))
+
+
+def _autograd_pullback(g: Any, x: list, cotangents: tuple, *, create_graph: bool) -> tuple:
+    """The cotangents of x by torch.autograd.grad; with create_graph, differentiable again."""
+    with torch.enable_grad():
+        x = _on_tape(x)
+        out, _ = g(*x)
+        # Outputs off the tape do not depend on x and contribute nothing.
+        pairs = [(o, c) for o, c in zip(out, cotangents, strict=True) if o.requires_grad]
+        if not pairs:
+            return tuple(torch.zeros_like(xi) for xi in x)
+        return tuple(
+            torch.autograd.grad(
+                [o for o, _ in pairs],
+                x,
+                [c for _, c in pairs],
+                create_graph=create_graph,
+                allow_unused=True,
+                materialize_grads=True,
+            )
+        )
+
+
 @torch_call_p.def_jvp
 def _jvp(primals: tuple, tangents: tuple, *, fn: Any, options: Options) -> tuple[Any, Any]:
-    """Primal: fn(primals). Tangent: JvpFunction(fn)(primals, nonzero float tangents)."""
-    out = torch_call_p.bind(*primals, fn=fn, options=options)
+    """Outputs and tangents from one call, JvpFunction(fn, with_primals=True), given the
+    nonzero float tangents; fn alone where no output tangent can be nonzero."""
     leaves, tree = _tree.tree_flatten(primals)
     t_leaves = tree.flatten_up_to(tangents)
     wrt = tuple(
@@ -230,15 +282,17 @@ def _jvp(primals: tuple, tangents: tuple, *, fn: Any, options: Options) -> tuple
         for i, (x, t) in enumerate(zip(leaves, t_leaves, strict=True))
         if t is not None and _is_operand(x) and _inexact(x.dtype)
     )
-    out_leaves, out_tree = _tree.tree_flatten(out)
+    out_types = torch_call_p.abstract_eval(*primals, fn=fn, options=options)
+    out_leaves, out_tree = _tree.tree_flatten(out_types)
     out_mask = tuple(_inexact(o.dtype) for o in out_leaves)
     if not wrt or not any(out_mask):
-        return out, None
-    jvp_fn = JvpFunction(fn, wrt, out_mask, options.grad_method)
-    t_out = iter(
-        torch_call_p.bind(primals, tuple(t_leaves[i] for i in wrt), fn=jvp_fn, options=options)
+        return torch_call_p.bind(*primals, fn=fn, options=options), None
+    jvp_fn = JvpFunction(fn, wrt, out_mask, options.grad_method, with_primals=True)
+    flat = torch_call_p.bind(primals, tuple(t_leaves[i] for i in wrt), fn=jvp_fn, options=options)
+    out, t_out = flat[: len(out_mask)], iter(flat[len(out_mask) :])
+    return _tree.tree_unflatten(out_tree, out), _tree.tree_unflatten(
+        out_tree, [next(t_out) if m else None for m in out_mask]
     )
-    return out, _tree.tree_unflatten(out_tree, [next(t_out) if m else None for m in out_mask])
 
 
 @torch_call_p.def_transpose
@@ -250,6 +304,16 @@ def _transpose(cts: Any, *args: Any, fn: Any, options: Options) -> tuple:
     VjpFunction) is transposed generically: the vjp of fn with respect to those leaves,
     taken at zero (any point will do for a linear function).
     """
+    if isinstance(fn, JvpFunction) and fn.with_primals:
+        # Partial evaluation splits this form before transposition (see _split_jvp.py);
+        # should it reach here whole, its outputs must carry no cotangent.
+        n_out = len(fn.out_mask)
+        if any(c is not None for c in cts[:n_out]):
+            raise AutodiffError(
+                f"Cannot transpose the JVP of {fn.root.name} with respect to its outputs: "
+                f"they are not linear in the tangents. Please report this with the program."
+            )
+        cts, fn = cts[n_out:], fn.linear
     if isinstance(fn, JvpFunction):
         primals, tangents = args
         if all(isinstance(t, Linear) for t in tangents) and not _has_linear(primals):

@@ -94,18 +94,27 @@ class BatchedFunction(DerivedFunction):
     def _vmap(self, leaves: list, tree: Any, positions: list) -> Any:
         out_tree = []
         device = leaves[positions[0]].device if positions else None
+        # Only the batched tensors go through vmap's arguments; the others are captured,
+        # which torch.func.vmap treats exactly like in_dims=None, and saves its per-argument
+        # Python work on every call.
+        mapped = [(i, d) for i, d in zip(positions, self.in_dims, strict=True) if d is not None]
+        if not mapped:  # let torch.func.vmap report that nothing is batched
+            mapped = list(zip(positions, self.in_dims, strict=True))
 
-        def flat(*tensors: torch.Tensor) -> tuple:
+        def flat(*tensors: torch.Tensor) -> Any:
             new = list(leaves)
-            for i, t in zip(positions, tensors, strict=True):
+            for (i, _), t in zip(mapped, tensors, strict=True):
                 new[i] = t
             out_leaves, treedef = _tree.tree_flatten(self.inner(*_tree.tree_unflatten(tree, new)))
             out_tree.append(treedef)
-            return tuple(as_tensor(x, device) for x in out_leaves)
+            out = [x if isinstance(x, torch.Tensor) else as_tensor(x, device) for x in out_leaves]
+            # One output goes back bare: vmap's per-output Python work is per call.
+            return out[0] if len(out) == 1 else tuple(out)
 
-        batched = torch.func.vmap(flat, in_dims=self.in_dims, randomness=self.randomness)
-        out = batched(*(leaves[i] for i in positions))
-        return _tree.tree_unflatten(out_tree[-1], out)
+        dims = tuple(d for _, d in mapped)
+        batched = torch.func.vmap(flat, in_dims=dims, randomness=self.randomness)
+        out = batched(*(leaves[i] for i, _ in mapped))
+        return _tree.tree_unflatten(out_tree[-1], [out] if out_tree[-1].num_leaves == 1 else out)
 
     def declared_shapes(self, options: Options, *args: Any) -> Any:
         leaves, tree = _tree.tree_flatten(args)
@@ -203,9 +212,12 @@ def _is_abstract(x: Any) -> bool:
     return _is_operand(x) or isinstance(x, jax.core.ShapedArray | jax.ShapeDtypeStruct)
 
 
-@torch_call_p.def_batching
-def _batch(args: tuple, axes: tuple, *, fn: Any, options: Options) -> tuple[Any, int]:
-    """Batch ``fn(*args)`` according to ``options.vmap_method``; outputs batched at axis 0."""
+def batch(args: tuple, axes: tuple, *, fn: Any, options: Options) -> tuple[Any, int]:
+    """Batch ``fn(*args)`` according to ``options.vmap_method``; outputs batched at axis 0.
+
+    torch_call_p's batching rule; _split_jvp.py registers it, after taking out one case
+    of the JVP call (tangents batched, primals not).
+    """
     leaves, tree = _tree.tree_flatten(args)
     flat_axes = tree.flatten_up_to(axes)
     size = next(x.shape[a] for x, a in zip(leaves, flat_axes, strict=True) if a is not None)

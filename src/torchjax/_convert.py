@@ -187,6 +187,10 @@ def _numpy_to_tensor(a: np.ndarray) -> torch.Tensor:
 
 
 _ArrayImpl = _jax.ArrayImpl
+_SingleDeviceSharding = jax.sharding.SingleDeviceSharding
+# torch.utils.dlpack.from_dlpack(capsule) wraps this in a Python frame and type checks that
+# cost as much again; conversions sit on every eager call and every jitted callback.
+_tensor_from_capsule = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)
 # jaxlib's DLPack export of a single-device array; jax.Array.__dlpack__ adds ~10 µs of checks.
 _EXPORT = getattr(_jax, "buffer_to_dlpack_managed_tensor", None)
 
@@ -207,9 +211,11 @@ def array_to_tensor(a: Any, where: str = "value") -> torch.Tensor:
     if not isinstance(a, jax.Array):
         raise ConversionError(f"{where}: expected a JAX array, got {type(a).__name__}.")
     if type(a) is _ArrayImpl and _EXPORT is not None and a.platform() == "cpu":
-        if len(a.sharding.device_set) == 1:
-            torch_dtype(a.dtype)
-            return torch.utils.dlpack.from_dlpack(_EXPORT(a, stream=None))
+        sharding = a.sharding
+        if type(sharding) is _SingleDeviceSharding or len(sharding.device_set) == 1:
+            if a.dtype not in _NUMPY_TO_TORCH:
+                torch_dtype(a.dtype)  # raises, naming the supported dtypes
+            return _tensor_from_capsule(_EXPORT(a, stream=None))
     torch_dtype(a.dtype)
     if not a.is_fully_addressable or len(a.sharding.device_set) != 1:
         raise ConversionError(

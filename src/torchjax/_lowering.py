@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import torch
 
-from torchjax._convert import array_to_tensor, narrow_checked, torch_dtype
+from torchjax._convert import _tensor_from_capsule, array_to_tensor, narrow_checked, torch_dtype
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -32,11 +32,6 @@ Run = Callable[[list[torch.Tensor]], Sequence[Any]]
 
 
 _DL_CPU = 1  # DLPack's kDLCPU
-
-
-def _cpu_buffer_to_tensor(buf: Any) -> torch.Tensor:
-    # The capsule path: on CPU there is no stream to negotiate.
-    return torch.utils.dlpack.from_dlpack(buf.__dlpack__())
 
 
 def write_output(dst: torch.Tensor, value: torch.Tensor, where: str) -> None:
@@ -66,13 +61,23 @@ def callback_call(
     """Stage a host call of `run` into the current JAX trace; returns the flat outputs."""
     if not USE_BUFFER_CALLBACK:
         return _pure_callback_call(run, operands, out_structs, out_paths)
+    on_cpu = None  # fixed by the first call: a buffer_callback is lowered for one platform
 
     def host(ctx: Any, outs: list, *ins: Any) -> None:
-        if (ins or outs)[0].__dlpack_device__()[0] == _DL_CPU:
-            _run_into(run, ins, outs, out_paths, _cpu_buffer_to_tensor)
-        else:
+        nonlocal on_cpu
+        if on_cpu is None:
+            on_cpu = (ins or outs)[0].__dlpack_device__()[0] == _DL_CPU
+        if not on_cpu:
             with _xla_stream(ctx, (ins or outs)[0]):
                 _run_into(run, ins, outs, out_paths, torch.from_dlpack)
+            return
+        # The CPU path, inlined: this runs on every call of a jitted function.
+        results = run([_tensor_from_capsule(b.__dlpack__()) for b in ins])
+        for buf, value, where in zip(outs, results, out_paths, strict=True):
+            dst = _tensor_from_capsule(buf.__dlpack__())
+            if value.dtype is not dst.dtype:
+                value = narrow_checked(value, dst.dtype, where)
+            dst.copy_(value)
 
     return buffer_callback(host, list(out_structs))(*operands)
 

@@ -26,6 +26,7 @@ from torchjax._errors import OutputMismatchError, RuleError
 from torchjax._pytree_types import (
     _ARRAY,
     _OPERAND_TYPES,
+    BoundParams,
     Linear,
     Signature,
     _arg_path,
@@ -33,6 +34,7 @@ from torchjax._pytree_types import (
     _broadcast_prefix,
     _check_hashable,
     _eager_type,
+    _flatten_checked,
     _is_operand,
     _out_aval,
     _path_str,
@@ -102,7 +104,8 @@ class PytreePrimitive:
         self._impl_rule: Callable | None = None
         self._lowering_rule: Callable | None = None
         self._impl_signature = self._lowering_signature = False
-        self._eager_signatures: dict = {}
+        self._flat_impl_rule: Callable | None = None
+        self._params_cache: dict[tuple, BoundParams] = {}
         self._batching_rule: Callable | None = None
         self._jvp_rule: Callable | None = None
         self._transpose_rule: Callable | None = None
@@ -137,6 +140,16 @@ class PytreePrimitive:
         self._impl_rule, self._impl_signature = rule, signature
         return rule
 
+    def _def_flat_impl(self, rule: Callable) -> Callable:
+        """Register an eager impl that works on the flat operands (private: torch_call's).
+
+        ``rule(operands, *, in_tree, statics, signature, params)`` returns the flat output
+        list and guarantees it matches ``signature``: it is not checked again. Eager calls
+        then skip rebuilding the argument pytrees and re-flattening the outputs.
+        """
+        self._flat_impl_rule = rule
+        return rule
+
     def def_lowering(self, rule: Callable | None = None, *, signature: bool = False) -> Any:
         """Register the jit lowering, a JAX-traceable rule; ``signature`` as in def_impl."""
         if rule is None:
@@ -165,6 +178,25 @@ class PytreePrimitive:
     # -- bind --------------------------------------------------------------------------
     def bind(self, *args: Any, **params: Any) -> Any:
         """Apply the primitive to pytree arguments; returns the output pytree."""
+        return self._bind(args, self._bound_params(params))
+
+    def _bound_params(self, params: dict) -> BoundParams:
+        """bind's keyword params, sorted and checked once; callers that bind the same
+        params on every call (to_jax's wrapper) keep the result and call _bind."""
+        items = tuple(sorted(params.items()))
+        try:
+            bound = self._params_cache.get(items)
+        except TypeError:
+            for name, value in items:
+                _check_hashable(value, f"{self.name}.bind keyword param {name!r}")
+            raise
+        if bound is None:
+            if len(self._params_cache) > 4096:
+                self._params_cache.clear()
+            bound = self._params_cache[items] = BoundParams(items)
+        return bound
+
+    def _bind(self, args: tuple, bound: BoundParams) -> Any:
         leaves, in_tree = _tree.tree_flatten(args)
         operands = []
         statics = []
@@ -175,28 +207,24 @@ class PytreePrimitive:
             else:
                 statics.append(leaf)
         statics_t = tuple(statics)
-        user_params = tuple(sorted(params.items()))
+        user_params = bound.items
         try:
             hash(statics_t)
         except TypeError:
             self._raise_unhashable(args)
-        try:
-            hash(user_params)
-        except TypeError:
-            for name, value in user_params:
-                _check_hashable(value, f"{self.name}.bind keyword param {name!r}")
         traced = any(isinstance(x, core.Tracer) for x in operands)
-        if not traced and self._impl_rule is not None and _at_top_level():
+        has_impl = self._impl_rule is not None or self._flat_impl_rule is not None
+        if not traced and has_impl and _at_top_level():
             # Eager: what core.bind would do here, minus its trace dispatch, with the
             # signature found from plain shapes and dtypes (cheaper than avals to hash).
-            key = (in_tree, statics_t, user_params, *[_eager_type(x) for x in operands])
-            signature = self._eager_signatures.get(key)
+            key = (in_tree, statics_t, *[_eager_type(x) for x in operands])
+            signature = bound.eager_signatures.get(key)
             if signature is None:
                 avals = tuple(core.typeof(x) for x in operands)
                 signature = self._signature_cache(in_tree, statics_t, avals, user_params)
-                if len(self._eager_signatures) > 4096:
-                    self._eager_signatures.clear()
-                self._eager_signatures[key] = signature
+                if len(bound.eager_signatures) > 4096:
+                    bound.eager_signatures.clear()
+                bound.eager_signatures[key] = signature
             out_flat = self._flat_impl(
                 *operands,
                 in_tree=in_tree,
@@ -267,28 +295,11 @@ class PytreePrimitive:
     def _flat_abstract_eval(self, *avals, signature, **_):
         return list(signature.out_avals)
 
-    def _flatten_out(self, out: Any, out_tree, out_avals, rule: str) -> list:
-        leaves, tree = _tree.tree_flatten(out)
-        if tree != out_tree:
-            raise OutputMismatchError(
-                f"{self.name}: the {rule} rule returned an output of structure {tree}, but "
-                f"abstract_eval declared {out_tree}."
-            )
-        paths = None
-        for i, (leaf, aval) in enumerate(zip(leaves, out_avals, strict=True)):
-            shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
-            if shape is None or dtype != aval.dtype or tuple(shape) != aval.shape:
-                if paths is None:
-                    paths = [p for p, _ in _tree.tree_flatten_with_path(out)[0]]
-                got = f"{type(leaf).__name__}" if shape is None else f"{dtype}{list(shape)}"
-                raise OutputMismatchError(
-                    f"{self.name}: the {rule} rule returned {got} at "
-                    f"{_path_str('out', paths[i])}, but abstract_eval declared "
-                    f"{aval.str_short()}. Make the rule and abstract_eval agree."
-                )
-        return leaves
-
     def _flat_impl(self, *operands, in_tree, statics, signature, params):
+        if self._flat_impl_rule is not None:
+            return self._flat_impl_rule(
+                operands, in_tree=in_tree, statics=statics, signature=signature, params=params
+            )
         if self._impl_rule is None:
             if self._lowering_rule is None:
                 raise self._missing("impl", "eager evaluation")
@@ -305,7 +316,7 @@ class PytreePrimitive:
         if self._impl_signature:
             kwargs["signature"] = signature
         out = self._impl_rule(*args, **kwargs)
-        return self._flatten_out(out, signature.out_tree, signature.out_avals, "impl")
+        return _flatten_checked(self.name, out, signature.out_tree, signature.out_avals, "impl")
 
     def _flat_lowering(self, *operands, in_tree, statics, signature, params):
         if self._lowering_rule is not None:
@@ -319,7 +330,7 @@ class PytreePrimitive:
         if with_signature:
             kwargs["signature"] = signature
         out = rule(*args, **kwargs)
-        return self._flatten_out(out, signature.out_tree, signature.out_avals, "lowering")
+        return _flatten_checked(self.name, out, signature.out_tree, signature.out_avals, "lowering")
 
     def _flat_batching(self, operands, dims, *, in_tree, statics, signature, params):
         del signature
@@ -347,7 +358,7 @@ class PytreePrimitive:
             in_tree, statics, [None if type(t) is ad.Zero else t for t in tangents], fill=None
         )
         out, out_tangents = self._jvp_rule(primal_args, tangent_args, **dict(params))
-        out_flat = self._flatten_out(out, out_tree, out_avals, "jvp")
+        out_flat = _flatten_checked(self.name, out, out_tree, out_avals, "jvp")
         if out_tangents is None:
             tangents_flat = [None] * len(out_flat)
         else:

@@ -98,6 +98,18 @@ def _is_operand(x: Any) -> bool:
     return isinstance(x, _OPERAND_TYPES)
 
 
+class BoundParams:
+    """A primitive's keyword params as bound: sorted ``(name, value)`` pairs, checked
+    hashable once, and the eager signature cache of calls made with them (keyed by
+    argument structure, static leaves, shapes and dtypes)."""
+
+    __slots__ = ("items", "eager_signatures")
+
+    def __init__(self, items: tuple):
+        self.items = items
+        self.eager_signatures: dict[tuple, Signature] = {}
+
+
 def _path_str(prefix: str, path: tuple) -> str:
     return prefix + _tree.keystr(path)
 
@@ -125,6 +137,29 @@ def _out_aval(leaf: Any, manual: core.ShapedArray | None) -> core.ShapedArray:
         return core.ShapedArray(shape, dtype)
     sharding = jax.sharding.NamedSharding(manual.sharding.mesh, jax.P(*([None] * len(shape))))
     return core.ShapedArray(shape, dtype, sharding=sharding, manual_axis_type=manual.mat)
+
+
+def _flatten_checked(name: str, out: Any, out_tree: Any, out_avals: tuple, rule: str) -> list:
+    """A rule's output flattened, after checking it against what abstract_eval declared."""
+    leaves, tree = _tree.tree_flatten(out)
+    if tree != out_tree:
+        raise OutputMismatchError(
+            f"{name}: the {rule} rule returned an output of structure {tree}, but "
+            f"abstract_eval declared {out_tree}."
+        )
+    paths = None
+    for i, (leaf, aval) in enumerate(zip(leaves, out_avals, strict=True)):
+        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+        if shape is None or dtype != aval.dtype or tuple(shape) != aval.shape:
+            if paths is None:
+                paths = [p for p, _ in _tree.tree_flatten_with_path(out)[0]]
+            got = f"{type(leaf).__name__}" if shape is None else f"{dtype}{list(shape)}"
+            raise OutputMismatchError(
+                f"{name}: the {rule} rule returned {got} at {_path_str('out', paths[i])}, but "
+                f"abstract_eval declared {aval.str_short()}. Make the rule and abstract_eval "
+                f"agree."
+            )
+    return leaves
 
 
 def _eager_type(x: Any) -> tuple:

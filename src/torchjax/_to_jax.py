@@ -11,7 +11,7 @@ from typing import Any
 import jax
 
 import torchjax._autodiff  # noqa: F401  (registers torch_call_p's jvp and transpose rules)
-import torchjax._batching  # noqa: F401  (registers torch_call_p's batching rule)
+import torchjax._split_jvp  # noqa: F401  (registers the batching rule, and the JVP splits)
 from torchjax._convert import is_array
 from torchjax._errors import StaticArgumentError
 from torchjax._torch_call import (
@@ -104,11 +104,12 @@ def to_jax(
     _check_choice("grad_method", grad_method, GRAD_METHODS)
     user = UserFunction(fn, result_shape_dtypes)
     options = Options(vmap_method, vmap_randomness, grad_method)
+    params = torch_call_p._bound_params({"fn": user, "options": options})
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         try:
-            return torch_call_p.bind(args, kwargs, fn=user, options=options)
+            return torch_call_p._bind((args, kwargs), params)
         except StaticArgumentError:
             # bind names paths in its own (args, kwargs) pair; name them as the user wrote.
             _raise_unhashable(user, args, kwargs)

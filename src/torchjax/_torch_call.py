@@ -28,7 +28,7 @@ from torchjax._errors import (
 )
 from torchjax._lowering import callback_call
 from torchjax._primitive import PytreePrimitive
-from torchjax._pytree_types import _is_operand
+from torchjax._pytree_types import _ARRAY, _is_operand
 from torchjax._shapes import check_versions, fake_eval, function_name
 
 _tree = jax.tree_util
@@ -158,11 +158,18 @@ class _CallPlan:
         self.fn, self.name = fn, fn.root.name
         self.in_tree, self.out_tree = in_tree, out_tree
         self.template = list(template)
-        self.positions = [i for i, x in enumerate(template) if x is _TENSOR]
+        self.positions = [i for i, x in enumerate(template) if x is _ARRAY]
         self.structs = structs
         self.out_dtypes = [torch_dtype(s.dtype) for s in structs]
         self.out_shapes = [tuple(s.shape) for s in structs]
         self.out_paths = ["out" + _tree.keystr(p) for p in _leaf_paths(out_tree)]
+        # Fast paths for the common call, fn(x, y) -> tensor: no template to fill, no
+        # argument tree to rebuild, no output tree to flatten.
+        self.has_statics = len(self.positions) != len(template)
+        positional = _tree.tree_structure((tuple(range(in_tree.num_leaves)), {}))
+        flat_user_call = type(fn) is UserFunction and in_tree == positional
+        self.direct = fn.fn if flat_user_call and not self.has_statics else None
+        self.one_tensor_out = out_tree.num_nodes == 1 and out_tree.num_leaves == 1
 
     def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Run fn on `tensors`; return its flat outputs as tensors of the declared shapes.
@@ -173,14 +180,14 @@ class _CallPlan:
         differs from the declared or inferred one. Outputs may still be 64-bit where JAX's
         x64 mode is off: the conversion that follows narrows them.
         """
-        leaves = self.template.copy()
-        for i, t in zip(self.positions, tensors, strict=True):
-            leaves[i] = t
         versions = [t._version for t in tensors]
         grad_was_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # no autograd graph: JAX does the differentiating
         try:
-            out = self.fn(*_tree.tree_unflatten(self.in_tree, leaves))
+            if self.direct is not None:
+                out = self.direct(*tensors)
+            else:
+                out = self.fn(*_tree.tree_unflatten(self.in_tree, self._fill(tensors)))
         except TorchJaxError:
             raise
         except Exception as e:
@@ -190,18 +197,31 @@ class _CallPlan:
         for t, v in zip(tensors, versions, strict=True):
             if t._version != v:
                 self._raise_mutated(tensors, versions)
-        results, got_tree = _tree.tree_flatten(out)
-        if got_tree != self.out_tree:
-            raise OutputMismatchError(
-                f"{self.name} returned an output of structure {got_tree}, but {self.out_tree} "
-                f"was declared (result_shape_dtypes) or inferred (fake-tensor run)."
-            )
+        if self.one_tensor_out and isinstance(out, torch.Tensor):
+            results = [out]
+        else:
+            results, got_tree = _tree.tree_flatten(out)
+            if got_tree != self.out_tree:
+                raise OutputMismatchError(
+                    f"{self.name} returned an output of structure {got_tree}, but "
+                    f"{self.out_tree} was declared (result_shape_dtypes) or inferred "
+                    f"(fake-tensor run)."
+                )
         for k, value in enumerate(results):
             if not isinstance(value, torch.Tensor) or value.dtype is not self.out_dtypes[k]:
                 results[k] = self._coerce(k, value)
             elif value.shape != self.out_shapes[k]:
                 self._raise_mismatch(k, value)
         return results
+
+    def _fill(self, tensors: list[torch.Tensor]) -> list:
+        """The argument leaves: the static leaves with the tensors in their slots."""
+        if not self.has_statics:
+            return tensors
+        leaves = self.template.copy()
+        for i, t in zip(self.positions, tensors, strict=True):
+            leaves[i] = t
+        return leaves
 
     def _coerce(self, k: int, value: Any) -> torch.Tensor:
         want = self.out_dtypes[k]
@@ -233,42 +253,41 @@ class _CallPlan:
         check_versions(tensors, versions, names, self.name, "seen after the real call")
 
 
-class _TensorSlot:
-    def __repr__(self) -> str:
-        return "<tensor>"
-
-
-_TENSOR = _TensorSlot()
-
-
 def _plan_parts(args: tuple, out_types: Any) -> tuple:
     leaves, in_tree = _tree.tree_flatten(args)
     operands = [x for x in leaves if _is_operand(x)]
-    template = tuple(_TENSOR if _is_operand(x) else x for x in leaves)
+    template = tuple(_ARRAY if _is_operand(x) else x for x in leaves)
     structs, out_tree = _tree.tree_flatten(out_types)
     return operands, in_tree, template, tuple(structs), out_tree
 
 
-@torch_call_p.def_impl(signature=True)
-def _impl(*args: Any, fn: Any, options: Options, signature: Any) -> Any:
-    """Eager: DLPack the JAX inputs to torch, call fn, DLPack the outputs back."""
-    del options
+def _eager_plan(in_tree: Any, statics: tuple, signature: Any, params: tuple) -> _CallPlan:
+    """The call plan of an eager signature, built on its first call and kept in its memo."""
     plan = signature.memo.get("plan")
-    if plan is None:  # once per signature: the signature is per (fn, argument types)
-        operands, *parts = _plan_parts(args, signature.out_types)
-        plan = signature.memo["plan"] = _CallPlan(fn, *parts)
-    else:
-        leaves = _tree.tree_leaves(args)
-        operands = [leaves[i] for i in plan.positions]
+    if plan is None:
+        fn = dict(params)["fn"]
+        structs, out_tree = _tree.tree_flatten(signature.out_types)
+        plan = signature.memo["plan"] = _CallPlan(fn, in_tree, statics, tuple(structs), out_tree)
+    return plan
+
+
+@torch_call_p._def_flat_impl
+def _impl(operands: tuple, *, in_tree: Any, statics: tuple, signature: Any, params: tuple) -> list:
+    """Eager: DLPack the JAX inputs to torch, call fn, DLPack the outputs back.
+
+    The plan checks every output's shape and dtype, so the flat outputs need no re-check.
+    """
+    plan = _eager_plan(in_tree, statics, signature, params)
     tensors = [array_to_tensor(x) for x in operands]
     results = plan(tensors)
-    storages = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+    # Each input tensor wraps a whole JAX buffer, so its data_ptr is its storage's start.
+    inputs = {t.data_ptr() for t in tensors if t.numel()}
     outs = []
     for value, where in zip(results, plan.out_paths, strict=True):
-        if value.numel() and value.untyped_storage().data_ptr() in storages:
+        if value.numel() and value.untyped_storage().data_ptr() in inputs:
             value = value.clone()  # an output aliasing an input would share its JAX buffer
         outs.append(tensor_to_jax(value, where))
-    return _tree.tree_unflatten(plan.out_tree, outs)
+    return outs
 
 
 @torch_call_p.def_lowering(signature=True)

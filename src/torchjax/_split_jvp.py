@@ -1,0 +1,147 @@
+# Splitting the one-call JVP where JAX needs its primal half apart from its tangent half.
+#
+# The JVP rule binds JvpFunction(fn, with_primals=True): one torch.func.jvp computes the
+# outputs and their tangents (_autodiff.py). That is all jax.jvp needs. Three places need
+# the halves apart, as fn(primals) and the linear JvpFunction(fn)(primals, tangents):
+#   * Partial evaluation with known primals and unknown tangents (linearize, grad, the
+#     autodiff of scan, cond, while, jit and shard_map bodies): the primal half must run
+#     now and the tangent half be staged as an equation linear in the tangents, to be
+#     transposed. JAX's default would stage the whole call, outputs included.
+#     Rule: custom_partial_eval_rules (JaxprTrace).
+#   * jax.checkpoint, by partial_eval_jaxpr_custom. Under a policy that recomputes, the
+#     staged half is the whole call again, so the outputs are recomputed rather than saved;
+#     the checkpoint's transpose partially evaluates it and the first rule splits it there.
+#   * vmap over tangents only (jacfwd, hessian): the outputs do not depend on the batched
+#     tangents and must come out unbatched, so fn runs once and the linear half is batched.
+# Any other case (a primal unknown or batched too, everything known) is treated whole.
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax._src import core
+from jax._src.interpreters import partial_eval as pe
+
+from torchjax import _batching
+from torchjax._autodiff import JvpFunction
+from torchjax._pytree_types import _ARRAY, _rebuild
+from torchjax._torch_call import torch_call_p
+
+_prim = torch_call_p.primitive
+
+
+def _combined(params: tuple) -> JvpFunction | None:
+    fn = dict(params)["fn"]
+    return fn if isinstance(fn, JvpFunction) and fn.with_primals else None
+
+
+def _primal_operand_count(in_tree: Any, statics: tuple) -> int:
+    """How many operands belong to the primals: the call's args are (primals, tangents)."""
+    primal_leaves = in_tree.children()[0].num_leaves
+    return sum(1 for s in statics[:primal_leaves] if s is _ARRAY)
+
+
+def _partial_eval(trace: pe.JaxprTrace, *tracers: Any, **flat: Any) -> list:
+    """JaxprTrace rule: known primals and unknown tangents -> known outputs, staged tangents.
+
+    JAX calls it with the parent trace current, so binding fn(primals) here computes the
+    outputs now (or stages them in the parent trace, which is what "known" means there).
+    """
+    fn, in_tree, statics = _combined(flat["params"]), flat["in_tree"], flat["statics"]
+    known = [t.pval.is_known() for t in tracers]
+    n_primal = _primal_operand_count(in_tree, statics) if fn else 0
+    if fn is None or all(known) or not all(known[:n_primal]):
+        return trace.default_process_primitive(_prim, tracers, flat)
+    options = dict(flat["params"])["options"]
+    values = [t.pval.get_known() for t in tracers[:n_primal]] + list(tracers[n_primal:])
+    primals, _ = _rebuild(in_tree, statics, values)
+    out = torch_call_p.bind(*primals, fn=fn.inner, options=options)
+    outs = [trace.new_const(v) for v in jax.tree_util.tree_leaves(out)]
+    primals_t, tangents_t = _rebuild(in_tree, statics, tracers)
+    with core.set_current_trace(trace):
+        tangents = torch_call_p.bind(primals_t, tangents_t, fn=fn.linear, options=options)
+    return [*outs, *tangents]
+
+
+pe.custom_partial_eval_rules[_prim] = _partial_eval
+
+
+def _partial_eval_custom(saveable: Any, unks_in: list, inst_in: list, eqn: Any) -> tuple:
+    """partial_eval_jaxpr_custom rule: ``(known eqn, staged eqn, unknown outputs,
+    outputs available to the staged part, residuals)``, as JAX's default would give, but
+    with the combined call split when its primals are known and some tangents are not."""
+    n_out = len(eqn.outvars)
+    # Inputs the staged part reads but only the known part has: they become residuals.
+    residuals = [v for v, inst in zip(eqn.invars, inst_in, strict=True) if _var(v) and not inst]
+    fn = _combined(eqn.params["params"])
+    if not any(unks_in):  # JAX's default: the policy chooses between saving and recomputing
+        if _saved(saveable, eqn):
+            return eqn, None, [False] * n_out, [False] * n_out, []
+        return eqn, eqn, [False] * n_out, [True] * n_out, residuals
+    n_primal = _primal_operand_count(eqn.params["in_tree"], eqn.params["statics"]) if fn else 0
+    if fn is None or any(unks_in[:n_primal]):
+        return None, eqn, [True] * n_out, [True] * n_out, residuals
+    n_primal_out = len(fn.out_mask)
+    primal_eqn = _torch_call_eqn(
+        eqn,
+        eqn.invars[:n_primal],
+        eqn.outvars[:n_primal_out],
+        eqn.params["in_tree"].children()[0],
+        eqn.params["statics"][: eqn.params["in_tree"].children()[0].num_leaves],
+        fn.inner,
+    )
+    tangent_out = [True] * (n_out - n_primal_out)
+    if _saved(saveable, primal_eqn):
+        linear_eqn = _torch_call_eqn(
+            eqn,
+            eqn.invars,
+            eqn.outvars[n_primal_out:],
+            eqn.params["in_tree"],
+            eqn.params["statics"],
+            fn.linear,
+        )
+        inst_out = [False] * n_primal_out + tangent_out
+        return primal_eqn, linear_eqn, [False] * n_primal_out + tangent_out, inst_out, residuals
+    # Recompute: the staged half is the whole call, outputs included.
+    unks_out = [False] * n_primal_out + tangent_out
+    return primal_eqn, eqn, unks_out, [True] * n_out, residuals
+
+
+pe.partial_eval_jaxpr_custom_rules[_prim] = _partial_eval_custom
+
+
+def _var(v: Any) -> bool:
+    return isinstance(v, core.Var)  # not a Literal, which is inlined wherever it is used
+
+
+def _saved(saveable: Any, eqn: Any) -> bool:
+    policy = pe.ensure_enum(saveable(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params))
+    # Offloading is a kind of saving; this rule keeps such outputs on their device.
+    return not isinstance(policy, pe.RecomputeType)
+
+
+def _torch_call_eqn(like: Any, invars: list, outvars: list, in_tree: Any, statics: tuple, fn):
+    """An equation of torch_call_p calling `fn`, with `like`'s options and source info."""
+    params = dict(like.params["params"])
+    params["fn"] = fn
+    user_params = tuple(sorted(params.items()))
+    avals = tuple(v.aval for v in invars)
+    signature = torch_call_p._signature_cache(in_tree, statics, avals, user_params)
+    new = dict(in_tree=in_tree, statics=statics, signature=signature, params=user_params)
+    return like.replace(invars=list(invars), outvars=list(outvars), params=new)
+
+
+@torch_call_p.def_batching
+def _batch(args: tuple, axes: tuple, *, fn: Any, options: Any) -> tuple[Any, Any]:
+    """Batch the combined call as two when only its tangents are batched; else as one."""
+    primals, tangents = args if isinstance(fn, JvpFunction) and fn.with_primals else ((), ())
+    if not tangents or any(a is not None for a in jax.tree_util.tree_leaves(axes[0])):
+        return _batching.batch(args, axes, fn=fn, options=options)
+    out = jax.tree_util.tree_leaves(torch_call_p.bind(*primals, fn=fn.inner, options=options))
+    t_out, t_axes = _batching.batch(args, axes, fn=fn.linear, options=options)
+    t_axes = _broadcast(t_axes, len(t_out))
+    return (*out, *t_out), (*[None] * len(out), *t_axes)
+
+
+def _broadcast(axes: Any, n: int) -> list:
+    return list(axes) if isinstance(axes, tuple | list) else [axes] * n
