@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import is_fake
 
 import torchjax
+from torchjax import _batching
 from torchjax._errors import ShapeInferenceError, VmapError
 
 SEQUENTIAL = re.escape("vmap_method='sequential'")
@@ -107,15 +108,17 @@ def test_nested_vmap_of_dict_function_is_one_torch_vmap_call():
     assert (fn.in_dims, fn.inner.in_dims) == ((0, None), (0, 1))
 
 
-def test_nested_vmap_counts_torch_func_vmap_calls(monkeypatch):
+@pytest.mark.parametrize("fast", [True, False])
+def test_nested_vmap_counts_torch_func_vmap_calls(monkeypatch, fast):
     seen = []
-    real_vmap = torch.func.vmap
+    real_vmap_call = _batching.vmap_call
 
-    def spy(fn, in_dims=0, *args, **kwargs):
+    def spy(fn, tensors, in_dims, randomness):
         seen.append(in_dims)
-        return real_vmap(fn, in_dims, *args, **kwargs)
+        return real_vmap_call(fn, tensors, in_dims, randomness)
 
-    monkeypatch.setattr(torch.func, "vmap", spy)
+    monkeypatch.setattr(_batching, "vmap_call", spy)
+    monkeypatch.setattr(_batching, "FAST_VMAP", fast)  # False: torch.func.vmap itself
     f = torchjax.to_jax(lambda d: d["a"] * d["b"])
     a, b = _arange(2, 3, 4), _arange(4, 3)
     g = jax.jit(jax.vmap(jax.vmap(f, in_axes=({"a": 0, "b": 1},)), in_axes=({"a": 0, "b": None},)))
@@ -504,3 +507,23 @@ def test_python_number_outputs_keep_their_dtype_under_vmap():
         grads = jax.vmap(jax.grad(lambda x: f(x)[0] + f(x)[1]))(x)
         assert grads.dtype == jnp.float64
         _close(grads, np.ones((2, 3)))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_vmap_without_torch_func_wrapper_matches_torch_func_vmap(monkeypatch, fast):
+    # _batching.vmap_call takes torch.func.vmap's steps without its Python wrapper; with
+    # FAST_VMAP off it is torch.func.vmap itself. Both must give the jax.numpy results,
+    # for tuple and integer outputs, nested vmaps, and vmap of grad.
+    monkeypatch.setattr(_batching, "FAST_VMAP", fast)
+    f = torchjax.to_jax(lambda x, w: (torch.tanh(x @ w), x.argmax(), x.shape[0]))
+    fj = lambda x, w: (jnp.tanh(x @ w), x.argmax(), x.shape[0])
+    xs, w = _arange(2, 3, 4) / 10, _arange(4, 5) / 10
+    inner = lambda f: jax.vmap(f, in_axes=(0, None))
+    _close(
+        jax.vmap(inner(f), in_axes=(0, None))(xs, w), jax.vmap(inner(fj), in_axes=(0, None))(xs, w)
+    )
+    loss = lambda f: lambda x, w: f(x, w)[0].sum()
+    _close(
+        jax.vmap(jax.grad(loss(f), argnums=1), in_axes=(0, None))(xs, w),
+        jax.vmap(jax.grad(loss(fj), argnums=1), in_axes=(0, None))(xs, w),
+    )

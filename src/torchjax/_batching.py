@@ -23,7 +23,20 @@ from torch._subclasses.fake_tensor import is_fake
 from torchjax._convert import torch_dtype
 from torchjax._errors import VmapError
 from torchjax._pytree_types import _is_operand
-from torchjax._torch_call import DerivedFunction, Options, torch_call_p
+from torchjax._torch_call import VMAP_RANDOMNESS, DerivedFunction, Options, torch_call_p
+
+try:  # the steps torch.func.vmap is made of; see vmap_call
+    from torch._functorch.predispatch import (
+        _add_batch_dim,
+        _remove_batch_dim,
+        _vmap_decrement_nesting,
+        _vmap_increment_nesting,
+        lazy_load_decompositions,
+    )
+
+    FAST_VMAP = True
+except ImportError:  # pragma: no cover - another torch version; tests force the fallback
+    FAST_VMAP = False
 
 _tree = jax.tree_util
 
@@ -42,6 +55,42 @@ RANDOMNESS_HINT = (
     "to_jax(fn, vmap_randomness='different') (independent per example) or "
     "to_jax(fn, vmap_randomness='same') (one draw shared by all examples)."
 )
+
+
+def vmap_call(fn: Any, tensors: list, in_dims: tuple, randomness: str) -> Any:
+    """``torch.func.vmap(fn, in_dims, randomness=randomness)(*tensors)``, for an fn that
+    returns a tensor or a tuple of tensors, every output batched at axis 0.
+
+    It takes the steps torch.func.vmap takes (load its decompositions, open a vmap level,
+    add the batch dims, call, remove them) without its Python wrapper, whose per-call work
+    (pytrees of arguments, in_dims and outputs; checks of sizes and dims that jax.vmap has
+    already made) costs tens of microseconds a call. Where those steps are not found
+    (another torch version), it is torch.func.vmap itself.
+    """
+    if not FAST_VMAP:
+        return torch.func.vmap(fn, in_dims=in_dims, randomness=randomness)(*tensors)
+    if randomness not in VMAP_RANDOMNESS:
+        raise ValueError(f"randomness must be one of {VMAP_RANDOMNESS}, got {randomness!r}")
+    lazy_load_decompositions()
+    size = next((t.shape[d] for t, d in zip(tensors, in_dims, strict=True) if d is not None), None)
+    if size is None:  # torch.func.vmap explains that nothing is batched
+        return torch.func.vmap(fn, in_dims=in_dims, randomness=randomness)(*tensors)
+    level = _vmap_increment_nesting(size, randomness)
+    try:
+        out = fn(
+            *[
+                t if d is None else _add_batch_dim(t, d, level)
+                for t, d in zip(tensors, in_dims, strict=True)
+            ]
+        )
+        if isinstance(out, torch.Tensor):
+            return _remove_batch_dim(out, level, size, 0)
+        for o in out:
+            if not isinstance(o, torch.Tensor):
+                raise ValueError(f"vmap: outputs must be tensors, got {type(o).__name__}.")
+        return tuple(_remove_batch_dim(o, level, size, 0) for o in out)
+    finally:
+        _vmap_decrement_nesting()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +161,7 @@ class BatchedFunction(DerivedFunction):
             return out[0] if len(out) == 1 else tuple(out)
 
         dims = tuple(d for _, d in mapped)
-        batched = torch.func.vmap(flat, in_dims=dims, randomness=self.randomness)
-        out = batched(*(leaves[i] for i, _ in mapped))
+        out = vmap_call(flat, [leaves[i] for i, _ in mapped], dims, self.randomness)
         return _tree.tree_unflatten(out_tree[-1], [out] if out_tree[-1].num_leaves == 1 else out)
 
     def declared_shapes(self, options: Options, *args: Any) -> Any:

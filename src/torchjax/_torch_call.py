@@ -194,10 +194,11 @@ class _CallPlan:
             raise self.fn.call_failure(e) from e
         finally:
             torch._C._set_grad_enabled(grad_was_enabled)
-        for t, v in zip(tensors, versions, strict=True):
-            if t._version != v:
-                self._raise_mutated(tensors, versions)
+        if versions != [t._version for t in tensors]:
+            self._raise_mutated(tensors, versions)
         if self.one_tensor_out and isinstance(out, torch.Tensor):
+            if out.dtype is self.out_dtypes[0] and out.shape == self.out_shapes[0]:
+                return [out]  # the common case, checked
             results = [out]
         else:
             results, got_tree = _tree.tree_flatten(out)
