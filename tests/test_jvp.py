@@ -241,3 +241,24 @@ def test_python_number_outputs_have_zero_tangents(grad_method):
         grad_method=grad_method,
     )
     _close(jax.grad(g)(X), jnp.zeros(3))
+
+
+def test_jvp_with_declared_result_shapes_runs_nothing_on_fake_tensors():
+    fake_runs = []
+
+    def fn(x):
+        fake_runs.append(is_fake(x))
+        return {"y": torch.sin(x), "n": x.argmax()}
+
+    declared = {
+        "y": jax.ShapeDtypeStruct((3,), jnp.float32),
+        "n": jax.ShapeDtypeStruct((), jnp.int32),
+    }
+    f = torchjax.to_jax(fn, result_shape_dtypes=declared)
+    out, t = jax.jvp(f, (X,), (jnp.ones(3),))
+    _close(out, {"y": jnp.sin(X), "n": jnp.argmax(X)})
+    _close(t["y"], jnp.cos(X))
+    assert t["n"].dtype == F0
+    _close(jax.jacfwd(lambda x: f(x)["y"])(X), jnp.diag(jnp.cos(X)))
+    _close(jax.jit(jax.grad(lambda x: f(x)["y"].sum()))(X), jnp.cos(X))
+    assert fake_runs and not any(fake_runs)
