@@ -2,8 +2,8 @@
 
 The model is a Bayesian linear regression with known noise, y = X w + eps, eps ~ N(0, s^2),
 and prior w ~ N(0, t^2 I). Its log-density is written in torch and wrapped with
-`torchjax.to_jax`; NUTS needs its gradient, which `jax.grad` takes through torch
-(torch.func.vjp). The whole sampler runs jit-compiled with the torch call inside.
+`torchjax.to_jax`; NUTS needs its gradient, which `jax.grad` takes through torch's
+autograd. The whole sampler runs jit-compiled with the torch call inside.
 
 The posterior is Gaussian with a closed form, so the samples are checked against the exact
 mean and standard deviation:

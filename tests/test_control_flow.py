@@ -69,6 +69,11 @@ def test_scan_rnn_cell(jit):
     _close(wrap(loss_t)(p, h0, xs), loss_j(p, h0, xs))
     g = wrap(jax.grad(loss_t, argnums=(0, 1, 2)))(p, h0, xs)
     _close(g, jax.jit(jax.grad(loss_j, argnums=(0, 1, 2)))(p, h0, xs))
+    # forward mode through the scan (one torch.func.jvp per step), and linearize
+    tangents = jax.tree.map(jnp.ones_like, (p, h0, xs))
+    jvp = lambda loss: lambda *a: jax.jvp(loss, a, tangents)
+    _close(wrap(jvp(loss_t))(p, h0, xs), jvp(loss_j)(p, h0, xs))
+    _close(jax.linearize(loss_t, p, h0, xs)[1](*tangents), jvp(loss_j)(p, h0, xs)[1])
 
 
 def test_scan_rnn_cell_is_one_call_per_step():

@@ -74,7 +74,8 @@ def to_jax(
       vmap_randomness: ``torch.func.vmap``'s ``randomness``: ``"error"`` (default),
         ``"different"`` or ``"same"``.
       grad_method: ``"torch.func"`` (default) differentiates with ``torch.func.jvp`` and
-        ``torch.func.vjp``; ``"autograd"`` uses ``torch.autograd.grad`` for code torch.func
+        ``torch.func.vjp`` (plain ``torch.autograd.grad`` for a VJP that nothing outside
+        differentiates again); ``"autograd"`` uses ``torch.autograd.grad`` for code torch.func
         cannot transform (old-style ``torch.autograd.Function``, some extensions).
 
     Returns:
