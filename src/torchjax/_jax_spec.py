@@ -1,0 +1,187 @@
+# The JAX side of to_torch: a JAX function as torch calls it.
+#
+# A `_Spec` holds one *flat* JAX function (arrays in, tuple of arrays out) for one call
+# signature, its jitted form, and the specs derived from it: the vjp (torch's backward),
+# the jvp (forward mode) and jax.vmap'ed versions (torch.func.vmap), each again a flat JAX
+# function in a spec. `run_spec` runs a spec on tensors, through DLPack, or through one
+# opaque custom op while torch.compile traces.
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from torchjax._convert import array_to_tensor, tensor_to_jax, torch_dtype
+from torchjax._errors import ConversionError, JaxOutputError
+
+_tree = jax.tree_util
+
+
+def _is_diff(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+class _Spec:
+    """A flat JAX function at one input signature, with its jitted form and derivatives.
+
+    `fn` takes one array per entry of `in_avals` and returns a tuple of arrays. Derived
+    specs (vjp, jvp, vmap) are built on first use and cached here, so each is traced and
+    compiled once.
+    """
+
+    def __init__(self, name: str, fn: Callable, in_avals: list, paths: list[str]):
+        self.name, self.fn = name, fn
+        self.in_avals, self.in_paths = tuple(in_avals), tuple(paths)
+        self.jitted = jax.jit(fn)
+        try:
+            # Shapes without running: torch needs them to mark outputs and for fake kernels.
+            self.out_avals = tuple(jax.eval_shape(self.jitted, *self.in_avals))
+        except Exception as e:
+            pairs = zip(paths, in_avals, strict=True)
+            sig = ", ".join(f"{p}: {a.dtype}{list(a.shape)}" for p, a in pairs)
+            e.add_note(f"(while tracing {name} for torchjax.to_torch with {sig})")
+            raise
+        try:
+            self.out_dtypes = tuple(torch_dtype(a.dtype) for a in self.out_avals)
+        except ConversionError as e:
+            raise JaxOutputError(f"{name}: an output has no torch dtype: {e}") from None
+        self.diff_in = tuple(_is_diff(a.dtype) for a in self.in_avals)
+        self.diff_out = tuple(_is_diff(a.dtype) for a in self.out_avals)
+        self.out_specs = tuple(zip(self.out_avals, self.out_dtypes, strict=True))
+        self._derived: dict[Any, _Spec] = {}
+        self.op_id: int | None = None
+
+    def __repr__(self) -> str:
+        return f"<torchjax spec {self.name}>"
+
+    def run(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Call the jitted function on real tensors; zero-copy in and out."""
+        arrays = [tensor_to_jax(t, p) for t, p in zip(tensors, self.in_paths, strict=True)]
+        outs = self.jitted(*arrays)
+        # Outputs are fresh XLA buffers unless XLA forwarded an input or deduplicated two
+        # outputs; torch must not see two tensors that secretly share memory, so copy then.
+        seen = {t.data_ptr() for t in tensors}
+        result = []
+        for o in outs:
+            t = array_to_tensor(o, f"{self.name} output")
+            if t.numel():
+                if t.data_ptr() in seen:
+                    t = t.clone()
+                seen.add(t.data_ptr())
+            result.append(t)
+        return tuple(result)
+
+    def _derive(self, key: Any, build: Callable[[], _Spec]) -> _Spec:
+        spec = self._derived.get(key)
+        if spec is None:
+            spec = self._derived[key] = build()
+        return spec
+
+    def _restricted(self, wrt: tuple[int, ...]) -> Callable:
+        """`f(primals, *x)`: the differentiable outputs as functions of the inputs `wrt`."""
+        fn, diff_out = self.fn, self.diff_out
+
+        def f(primals: tuple, *x: Any) -> tuple:
+            full = list(primals)
+            for i, xi in zip(wrt, x, strict=True):
+                full[i] = xi
+            outs = fn(*full)
+            return tuple(o for o, d in zip(outs, diff_out, strict=True) if d)
+
+        return f
+
+    def vjp(self, wrt: tuple[int, ...]) -> _Spec:
+        """Spec of `(*primals, *cotangents of diff outputs) -> grads of inputs wrt`.
+
+        Torch's complex convention is the conjugate of JAX's (torch's backward returns the
+        conjugate Wirtinger gradient), hence the conjugations around `jax.vjp`.
+        """
+
+        def build() -> _Spec:
+            n, f = len(self.in_avals), self._restricted(wrt)
+
+            def vjp_fn(*arrays: Any) -> tuple:
+                primals = arrays[:n]
+                _, pull = jax.vjp(functools.partial(f, primals), *(primals[i] for i in wrt))
+                grads = pull(tuple(jnp.conj(c) for c in arrays[n:]))
+                return tuple(jnp.conj(g) for g in grads)
+
+            cts = [a for a, d in zip(self.out_avals, self.diff_out, strict=True) if d]
+            paths = [*self.in_paths, *(f"cotangent[{i}]" for i in range(len(cts)))]
+            return _Spec(f"vjp({self.name})", vjp_fn, [*self.in_avals, *cts], paths)
+
+        return self._derive(("vjp", wrt), build)
+
+    def jvp(self, wrt: tuple[int, ...]) -> _Spec:
+        """Spec of `(*primals, *tangents of inputs wrt) -> tangents of diff outputs`."""
+
+        def build() -> _Spec:
+            n, f = len(self.in_avals), self._restricted(wrt)
+
+            def jvp_fn(*arrays: Any) -> tuple:
+                primals = arrays[:n]
+                diff_primals = tuple(primals[i] for i in wrt)
+                _, t_out = jax.jvp(functools.partial(f, primals), diff_primals, arrays[n:])
+                return tuple(t_out)
+
+            tangents = [self.in_avals[i] for i in wrt]
+            paths = [*self.in_paths, *(f"tangent[{i}]" for i in wrt)]
+            return _Spec(f"jvp({self.name})", jvp_fn, [*self.in_avals, *tangents], paths)
+
+        return self._derive(("jvp", wrt), build)
+
+    def batched(self, in_dims: tuple[int | None, ...], size: int) -> _Spec:
+        """Spec of the function `jax.vmap`ed over `in_dims`; every output batched at 0."""
+
+        def build() -> _Spec:
+            fn = jax.vmap(self.fn, in_axes=in_dims, out_axes=0, axis_size=size)
+            avals = []
+            for a, d in zip(self.in_avals, in_dims, strict=True):
+                if d is not None:
+                    a = jax.ShapeDtypeStruct((*a.shape[:d], size, *a.shape[d:]), a.dtype)
+                avals.append(a)
+            return _Spec(f"vmap({self.name})", fn, avals, list(self.in_paths))
+
+        return self._derive(("vmap", in_dims, size), build)
+
+
+# torch.compile: tracing runs the function on fake tensors, which have no data for JAX.
+# There `forward` calls one opaque custom op instead, whose fake kernel answers with the
+# spec's output shapes; the int argument finds the spec again when the graph runs.
+_OP_SPECS: list[_Spec] = []
+_op: Any = None
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _jax_call_op() -> Any:
+    """The `torchjax::jax_call` custom op, registered on first use (not at import)."""
+    global _op
+    if _op is None:
+
+        @torch.library.custom_op("torchjax::jax_call", mutates_args=())
+        def jax_call(tensors: list[torch.Tensor], spec_id: int) -> list[torch.Tensor]:
+            return list(_OP_SPECS[spec_id].run(tuple(tensors)))
+
+        @jax_call.register_fake
+        def _(tensors: list[torch.Tensor], spec_id: int) -> list[torch.Tensor]:
+            dev = tensors[0].device if tensors else None
+            return [
+                torch.empty(a.shape, dtype=d, device=dev) for a, d in _OP_SPECS[spec_id].out_specs
+            ]
+
+        _op = jax_call
+    return _op
+
+
+def run_spec(spec: _Spec, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    if all(type(t) in _PLAIN for t in tensors):
+        return spec.run(tensors)
+    # Fake or functional tensors: torch.compile is tracing.
+    if spec.op_id is None:
+        spec.op_id = len(_OP_SPECS)
+        _OP_SPECS.append(spec)
+    return tuple(_jax_call_op()(list(tensors), spec.op_id))
