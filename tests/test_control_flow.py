@@ -245,3 +245,25 @@ def test_checkpoint_policy_that_saves_runs_no_torch_call_twice():
     calls.clear()
     saving(x)
     assert len(calls) == 4  # two forward calls, two VJP calls: the outputs were saved
+
+
+@pytest.mark.parametrize(
+    "policy", [None, jax.checkpoint_policies.everything_saveable], ids=["recompute", "save"]
+)
+def test_scan_inside_checkpoint(policy):
+    # jax.checkpoint partially evaluates the scan body with its custom rules: the one-call
+    # JVP inside must split there too, for the gradient and for forward-over-reverse.
+    def loss(sin):
+        def run(x):
+            def step(c, _):
+                return sin(c) * 1.1, c.sum()
+
+            c, ys = jax.lax.scan(step, x, None, length=4)
+            return c.sum() + ys.sum()
+
+        return jax.checkpoint(run, policy=policy)
+
+    x = jnp.array([0.3, -0.2, 0.5])
+    sin_t = torchjax.to_jax(torch.sin)
+    _close(jax.jit(jax.grad(loss(sin_t)))(x), jax.grad(loss(jnp.sin))(x))
+    _close(jax.jit(jax.hessian(loss(sin_t)))(x), jax.hessian(loss(jnp.sin))(x))
