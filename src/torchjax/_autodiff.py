@@ -69,14 +69,16 @@ class _Derivative(DerivedFunction):
         g returns ``(masked, rest)``, both tensors: the masked outputs, and the others,
         which torch.func passes through as aux, untouched by the transform.
         """
+        # This runs on every call: its loops stay in C where they can (map, `in`).
         leaves, tree = _tree.tree_flatten(primals)
         device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), None)
-        leaves = [
-            torch.zeros(x.shape, dtype=torch_dtype(x.dtype), device=device)
-            if isinstance(x, ZerosLike)
-            else x
-            for x in leaves
-        ]
+        if ZerosLike in map(type, leaves):
+            leaves = [
+                torch.zeros(x.shape, dtype=torch_dtype(x.dtype), device=device)
+                if isinstance(x, ZerosLike)
+                else x
+                for x in leaves
+            ]
 
         def g(*diff: torch.Tensor) -> tuple:
             new = list(leaves)
@@ -84,11 +86,11 @@ class _Derivative(DerivedFunction):
                 new[i] = t
             outs = _tree.tree_leaves(self.inner(*_tree.tree_unflatten(tree, new)))
             # A Python number output is a constant: as a tensor, its derivative is zero.
-            masked = tuple(
-                as_tensor(o, device) for o, m in zip(outs, self.out_mask, strict=True) if m
-            )
-            rest = [as_tensor(o, device) for o, m in zip(outs, self.out_mask, strict=True) if not m]
-            return masked, rest
+            outs = [o if isinstance(o, torch.Tensor) else as_tensor(o, device) for o in outs]
+            if all(self.out_mask):
+                return tuple(outs), []
+            masked = tuple(o for o, m in zip(outs, self.out_mask, strict=True) if m)
+            return masked, [o for o, m in zip(outs, self.out_mask, strict=True) if not m]
 
         return g, [leaves[i] for i in self.wrt]
 
@@ -221,8 +223,10 @@ class VjpFunction(_Derivative):
     def __call__(self, primals: tuple, cotangents: tuple) -> tuple:
         # torch pulls back with the conjugate of JAX's cotangent convention for complex
         # numbers: JAX's vjp(ct) is conj(torch's vjp(conj(ct))). Real leaves are unaffected.
-        cotangents = tuple(_conj(c) for c in cotangents)
-        return tuple(_conj(c) for c in self._pullback(primals, cotangents))
+        if any(map(torch.is_complex, cotangents)):
+            cotangents = tuple(map(_conj, cotangents))
+        grads = self._pullback(primals, cotangents)
+        return tuple(map(_conj, grads)) if any(map(torch.is_complex, grads)) else tuple(grads)
 
     def _pullback(self, primals: tuple, cotangents: tuple) -> tuple:
         g, x = self._restricted(primals)
@@ -247,7 +251,11 @@ def _outermost(args: Any) -> bool:
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
     if peek is None or peek() is not None:
         return False
-    return not any(isinstance(t, torch.Tensor) and t.requires_grad for t in _tree.tree_leaves(args))
+    return not any(map(_on_a_tape, _tree.tree_leaves(args)))
+
+
+def _on_a_tape(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad
 
 
 def _autograd_pullback(g: Any, x: list, cotangents: tuple, *, create_graph: bool) -> tuple:
