@@ -196,14 +196,8 @@ def test_linearize():
 
 
 def test_linearize_evaluates_primal_once():
-    calls = []
-
-    def fn(x):
-        if not is_fake(x):
-            calls.append(1)
-        return torch.sin(x)
-
-    f = torchjax.to_jax(fn)
+    counted, calls = _counting(torch.sin)
+    f = torchjax.to_jax(counted)
     out, lin = jax.linearize(f, X)
     n = len(calls)
     for t in (jnp.ones(3), X):

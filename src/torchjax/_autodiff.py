@@ -94,10 +94,6 @@ class _Derivative(DerivedFunction):
 
         return g, [leaves[i] for i in self.wrt]
 
-    def _inner_outputs(self, options: Options, primals: tuple) -> list:
-        out = torch_call_p.abstract_eval(*primals, fn=self.inner, options=options)
-        return [s for s, m in zip(_tree.tree_leaves(out), self.out_mask, strict=True) if m]
-
     def fake_failure(self, error: Exception) -> Exception:
         text = f"{type(error).__name__}: {error}"
         if self.grad_method == "autograd":
@@ -202,13 +198,10 @@ class JvpFunction(_Derivative):
 
     def declared_shapes(self, options: Options, primals: tuple, tangents: tuple) -> tuple:
         del tangents
-        masked = tuple(self._inner_outputs(options, primals))
-        if not self.with_primals:
-            return masked
-        every = _tree.tree_leaves(
-            torch_call_p.abstract_eval(*primals, fn=self.inner, options=options)
-        )
-        return (*every, *masked)
+        out = torch_call_p.abstract_eval(*primals, fn=self.inner, options=options)
+        every = _tree.tree_leaves(out)
+        masked = tuple(s for s, m in zip(every, self.out_mask, strict=True) if m)
+        return (*every, *masked) if self.with_primals else masked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,10 +244,10 @@ def _outermost(args: Any) -> bool:
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
     if peek is None or peek() is not None:
         return False
-    return not any(map(_on_a_tape, _tree.tree_leaves(args)))
+    return not any(map(_requires_grad, _tree.tree_leaves(args)))
 
 
-def _on_a_tape(x: Any) -> bool:
+def _requires_grad(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.requires_grad
 
 

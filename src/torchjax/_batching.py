@@ -147,8 +147,6 @@ class BatchedFunction(DerivedFunction):
         # which torch.func.vmap treats exactly like in_dims=None, and saves its per-argument
         # Python work on every call.
         mapped = [(i, d) for i, d in zip(positions, self.in_dims, strict=True) if d is not None]
-        if not mapped:  # let torch.func.vmap report that nothing is batched
-            mapped = list(zip(positions, self.in_dims, strict=True))
 
         def flat(*tensors: torch.Tensor) -> Any:
             new = list(leaves)

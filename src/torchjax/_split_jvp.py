@@ -82,12 +82,14 @@ def _partial_eval_custom(saveable: Any, unks_in: list, inst_in: list, eqn: Any) 
     if fn is None or any(unks_in[:n_primal]):
         return None, eqn, [True] * n_out, [True] * n_out, residuals
     n_primal_out = len(fn.out_mask)
+    primal_tree = eqn.params["in_tree"].children()[0]  # the call's args: (primals, tangents)
+    primal_statics = eqn.params["statics"][: primal_tree.num_leaves]
     primal_eqn = _torch_call_eqn(
         eqn,
         eqn.invars[:n_primal],
         eqn.outvars[:n_primal_out],
-        eqn.params["in_tree"].children()[0],
-        eqn.params["statics"][: eqn.params["in_tree"].children()[0].num_leaves],
+        primal_tree,
+        primal_statics,
         fn.inner,
     )
     tangent_out = [True] * (n_out - n_primal_out)
