@@ -342,7 +342,7 @@ def test_broadcast_all_broadcasts_unbatched_args():
     _close(out, (x @ w).T)
 
 
-def test_torch_method_fails_at_trace_time_and_names_sequential():
+def test_torch_method_vmap_cannot_batch_names_sequential():
     def fill(x):
         out = torch.zeros(3)
         out.add_(x)  # in place into an unbatched tensor: torch.func.vmap cannot do this
@@ -353,8 +353,10 @@ def test_torch_method_fails_at_trace_time_and_names_sequential():
     _close(f(x[0]), x[0])  # fine unbatched
     with pytest.raises(VmapError, match=SEQUENTIAL):
         jax.vmap(f)(x)
-    with pytest.raises(VmapError, match=SEQUENTIAL):
-        jax.jit(jax.vmap(f)).lower(x)  # no real data needed to find out
+    # The batched function is never fake-run (its types follow from fill's): under jit
+    # the error comes from the call, wrapped by XLA's callback.
+    with pytest.raises(Exception, match=SEQUENTIAL):
+        jax.jit(jax.vmap(f))(x)
     g = torchjax.to_jax(fill, vmap_method="sequential")
     _close(jax.vmap(g)(x), x)
 

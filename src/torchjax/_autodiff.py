@@ -21,9 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
-from torchjax._batching import as_tensor
+from torchjax._batching import as_tensor, vmap_call
 from torchjax._convert import torch_dtype
 from torchjax._errors import AutodiffError
 from torchjax._pytree_types import Linear, _is_operand
@@ -36,6 +35,26 @@ AUTODIFF_HINT = (
     "Code that torch.func cannot transform (an old-style torch.autograd.Function without "
     "setup_context, some extension kernels) can be differentiated with "
     "to_jax(fn, grad_method='autograd'), which uses torch.autograd.grad instead."
+)
+AUTOGRAD_HINT = "torch.autograd could not differentiate {name}: {error}"
+FORWARD_AD_HINT = (
+    "torch has no forward-mode derivative for an operation in {name}: {error}\n"
+    "Reverse mode (jax.grad, jax.vjp, jax.jacrev) works without one. For forward mode "
+    "(jax.jvp, jax.jacfwd, jax.hessian), to_jax(fn, grad_method='autograd') computes it "
+    "from two reverse-mode passes instead."
+)
+
+# Phrases of torch's own messages when its autodiff machinery, not the function, fails.
+_AUTODIFF_FAILURES = (
+    "forward ad",
+    "forward mode",
+    "jvp function",
+    "derivative for",
+    "functorch",
+    "setup_context",
+    "does not require grad and does not have a grad_fn",
+    "not differentiable",
+    "one of the differentiated tensors",
 )
 
 
@@ -94,14 +113,19 @@ class _Derivative(DerivedFunction):
 
         return g, [leaves[i] for i in self.wrt]
 
-    def fake_failure(self, error: Exception) -> Exception:
-        text = f"{type(error).__name__}: {error}"
-        if self.grad_method == "autograd":
-            return AutodiffError(f"torch.autograd could not differentiate {self.root.name}: {text}")
-        return AutodiffError(AUTODIFF_HINT.format(name=self.root.name, error=text))
+    grad_mode = True  # see _CallPlan: torch.func runs derivatives with grad mode on
 
     def call_failure(self, error: Exception) -> Exception:
-        return self.fake_failure(error)
+        text = f"{type(error).__name__}: {error}"
+        if not any(m in text.lower() for m in _AUTODIFF_FAILURES):
+            return self.inner.call_failure(error)  # the function's own exception
+        if self.grad_method == "autograd":
+            hint = AUTOGRAD_HINT
+        elif isinstance(error, NotImplementedError) and "forward" in text.lower():
+            hint = FORWARD_AD_HINT
+        else:
+            hint = AUTODIFF_HINT
+        return AutodiffError(hint.format(name=self.root.name, error=text))
 
 
 def _conj(t: torch.Tensor) -> torch.Tensor:
@@ -142,18 +166,7 @@ class JvpFunction(_Derivative):
     def __call__(self, primals: tuple, tangents: tuple) -> tuple:
         g, x = self._restricted(primals)
         if self.grad_method == "torch.func":
-            try:
-                outs, t_outs, rest = torch.func.jvp(g, tuple(x), tuple(tangents), has_aux=True)
-            except NotImplementedError:
-                # Forward AD is missing for many kernels (fused attention, custom
-                # autograd.Functions without jvp) whose reverse mode works. jax.grad only
-                # traces this call, to transpose it into a VjpFunction, so a shape-inference
-                # run must not fail here: the tangents have the outputs' types. A real
-                # call (jax.jvp, jacfwd) still fails, naming grad_method='autograd'.
-                if not any(is_fake(t) for t in (*x, *tangents)):
-                    raise
-                outs, rest = g(*x)
-                t_outs = tuple(torch.empty_like(o) for o in outs)
+            outs, t_outs, rest = torch.func.jvp(g, tuple(x), tuple(tangents), has_aux=True)
         else:
             outs, t_outs, rest = self._jvp_by_double_vjp(g, x, tangents)
         if not self.with_primals:
@@ -206,19 +219,31 @@ class JvpFunction(_Derivative):
 
 @dataclasses.dataclass(frozen=True)
 class VjpFunction(_Derivative):
-    """``(primals, cotangents) -> cotangents of the wrt leaves``; linear in cotangents."""
+    """``(primals, cotangents) -> cotangents of the wrt leaves``; linear in cotangents.
+
+    ``ct_batch`` holds one entry per jax.vmap over the cotangents alone (jax.jacrev,
+    hessian, the JVP of a VJP with respect to its cotangents), innermost first: the
+    cotangent leaves' batch axes at that level (None where not batched). The forward then
+    runs once, and only the pullback is batched, as torch.func.jacrev does: the function
+    is not re-run under vmap, so random draws, data-dependent code and kernels without a
+    batching rule work. Outputs carry the batch axes in front, outermost first.
+    """
 
     inner: Any
     wrt: tuple
     out_mask: tuple
     grad_method: str
+    ct_batch: tuple = ()
 
     def __call__(self, primals: tuple, cotangents: tuple) -> tuple:
         # torch pulls back with the conjugate of JAX's cotangent convention for complex
         # numbers: JAX's vjp(ct) is conj(torch's vjp(conj(ct))). Real leaves are unaffected.
         if any(map(torch.is_complex, cotangents)):
             cotangents = tuple(map(_conj, cotangents))
-        grads = self._pullback(primals, cotangents)
+        if self.ct_batch:
+            grads = self._batched_pullback(primals, cotangents)
+        else:
+            grads = self._pullback(primals, cotangents)
         return tuple(map(_conj, grads)) if any(map(torch.is_complex, grads)) else tuple(grads)
 
     def _pullback(self, primals: tuple, cotangents: tuple) -> tuple:
@@ -232,10 +257,81 @@ class VjpFunction(_Derivative):
         _, pullback, _ = torch.func.vjp(g, *x, has_aux=True)
         return tuple(pullback(tuple(cotangents)))
 
+    def _batched_pullback(self, primals: tuple, cotangents: tuple) -> tuple:
+        """One forward, then the pullback of every cotangent in the batch."""
+        flat, lead = _stack_batch(cotangents, self.ct_batch)
+        g, x = self._restricted(primals)
+        if flat[0].shape[0] == 0:  # an empty batch: nothing to pull back
+            return tuple(xi.new_zeros(*lead, *xi.shape) for xi in x)
+        if self.grad_method == "autograd":
+            grads = _autograd_pullbacks(g, x, flat)
+        else:
+            _, pullback, _ = torch.func.vjp(g, *x, has_aux=True)
+            grads = vmap_call(lambda *c: tuple(pullback(c)), list(flat), (0,) * len(flat), "error")
+        return tuple(gr.reshape(*lead, *gr.shape[1:]) for gr in grads)
+
     def declared_shapes(self, options: Options, primals: tuple, cotangents: tuple) -> tuple:
-        del options, cotangents
+        del options
         leaves = _tree.tree_leaves(primals)
-        return tuple(jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in self.wrt)
+        lead = _batch_sizes([c.shape for c in cotangents], self.ct_batch)
+        return tuple(
+            jax.ShapeDtypeStruct((*lead, *leaves[i].shape), leaves[i].dtype) for i in self.wrt
+        )
+
+
+def _batch_sizes(shapes: list, levels: tuple) -> tuple:
+    """The sizes of the batch axes `levels` (innermost first) put on `shapes`, outermost
+    first; each level's axes index the shapes as they are without the outer levels."""
+    shapes, sizes = [list(s) for s in shapes], []
+    for dims in reversed(levels):
+        size = next(s[d] for s, d in zip(shapes, dims, strict=True) if d is not None)
+        sizes.append(size)
+        shapes = [s if d is None else s[:d] + s[d + 1 :] for s, d in zip(shapes, dims, strict=True)]
+    return tuple(sizes)
+
+
+def _stack_batch(tensors: tuple, levels: tuple) -> tuple[tuple, tuple]:
+    """The tensors with the batch axes of `levels` moved to the front (outermost first;
+    unbatched ones broadcast) and merged into one: ``(flat, sizes)``, each flat tensor
+    ``[prod(sizes), ...]``."""
+    tensors, placed, sizes = list(tensors), 0, []
+    for dims in reversed(levels):
+        size = next(t.shape[placed + d] for t, d in zip(tensors, dims, strict=True) if d is not None)
+        sizes.append(size)
+        tensors = [
+            t.movedim(placed + d, placed)
+            if d is not None
+            else t.unsqueeze(placed).expand(*t.shape[:placed], size, *t.shape[placed:])
+            for t, d in zip(tensors, dims, strict=True)
+        ]
+        placed += 1
+    return tuple(t.reshape(-1, *t.shape[placed:]) for t in tensors), tuple(sizes)
+
+
+def _autograd_pullbacks(g: Any, x: list, flat_cts: tuple) -> tuple:
+    """The cotangents of x for each row of the stacked cotangents, from one forward."""
+    with torch.enable_grad():
+        x = _on_tape(x)
+        out, _ = g(*x)
+        live = [i for i, o in enumerate(out) if o.requires_grad]
+        n = flat_cts[0].shape[0] if flat_cts else 0
+        rows = []
+        for k in range(n):
+            if not live:
+                rows.append([torch.zeros_like(xi) for xi in x])
+                continue
+            rows.append(
+                torch.autograd.grad(
+                    [out[i] for i in live],
+                    x,
+                    [flat_cts[i][k] for i in live],
+                    retain_graph=True,
+                    create_graph=True,
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+            )
+    return tuple(torch.stack([r[j] for r in rows]) for j in range(len(x)))
 
 
 def _outermost(args: Any) -> bool:
@@ -276,6 +372,8 @@ def _autograd_pullback(g: Any, x: list, cotangents: tuple, *, create_graph: bool
 def _jvp(primals: tuple, tangents: tuple, *, fn: Any, options: Options) -> tuple[Any, Any]:
     """Outputs and tangents from one call, JvpFunction(fn, with_primals=True), given the
     nonzero float tangents; fn alone where no output tangent can be nonzero."""
+    if isinstance(fn, VjpFunction) and not _tree.tree_leaves(tangents[0]):
+        return _jvp_of_pullback(primals, tangents[1], fn, options)
     leaves, tree = _tree.tree_flatten(primals)
     t_leaves = tree.flatten_up_to(tangents)
     wrt = tuple(
@@ -294,6 +392,20 @@ def _jvp(primals: tuple, tangents: tuple, *, fn: Any, options: Options) -> tuple
     return _tree.tree_unflatten(out_tree, out), _tree.tree_unflatten(
         out_tree, [next(t_out) if m else None for m in out_mask]
     )
+
+
+def _jvp_of_pullback(primals: tuple, ct_dots: tuple, fn: VjpFunction, options: Options) -> tuple:
+    """A VJP differentiated with respect to its cotangents alone, in which it is linear:
+    its tangent is the same VJP of the cotangents' tangents. Both come from one call that
+    runs the forward once and pulls back the two cotangents as a batch of two."""
+    points, cts = primals
+    if all(t is None for t in ct_dots):
+        return torch_call_p.bind(*primals, fn=fn, options=options), None
+    dots = [jax.numpy.zeros_like(c) if t is None else t for c, t in zip(cts, ct_dots, strict=True)]
+    pair = tuple(jax.numpy.stack([c, t]) for c, t in zip(cts, dots, strict=True))
+    both = dataclasses.replace(fn, ct_batch=(*fn.ct_batch, (0,) * len(cts)))
+    out = torch_call_p.bind(points, pair, fn=both, options=options)
+    return tuple(o[0] for o in out), tuple(o[1] for o in out)
 
 
 @torch_call_p.def_transpose

@@ -5,9 +5,10 @@
 # vmap_method policies mirror jax.pure_callback's: "sequential" maps the unbatched call over
 # the batch with lax.map; "expand_dims" and "broadcast_all" trust fn to handle a leading
 # batch axis itself (LeadingAxisFunction only restates result_shape_dtypes, which describe
-# one example, for the batch). A function torch.func.vmap cannot batch fails loudly while
-# tracing (the fake run of the batched function) and names vmap_method="sequential" as the
-# fix.
+# one example, for the batch). A function torch.func.vmap cannot batch fails loudly when
+# it runs and names vmap_method="sequential" as the fix. Derivatives taken with
+# grad_method="autograd" cannot run under torch.func.vmap (autograd.grad needs
+# requires_grad_), so their batches are a loop inside the one torch call.
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from torch._subclasses import fake_tensor
-from torch._subclasses.fake_tensor import is_fake
 
 from torchjax._convert import torch_dtype
 from torchjax._errors import VmapError
@@ -101,44 +100,53 @@ class BatchedFunction(DerivedFunction):
       inner: the torch callable being batched.
       in_dims: one int (batched axis) or None per tensor leaf, in flattening order.
       randomness: torch.func.vmap's randomness policy.
+      loop: call inner once per example instead (a derivative by torch.autograd.grad).
     """
 
     inner: Any
     in_dims: tuple
     randomness: str
+    loop: bool = False
 
     def __call__(self, *args: Any) -> Any:
         leaves, tree = _tree.tree_flatten(args)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        if self.loop:
+            return self._loop(leaves, tree, positions)
         try:
             return self._vmap(leaves, tree, positions)
-        except _FAKE_DEVICE_BUG:
-            if not any(is_fake(leaves[i]) for i in positions):
-                raise
-            return self._fake_outputs(leaves, tree, positions)
+        except Exception as e:
+            text = f"{type(e).__name__}: {e}"
+            if any(m in text.lower() for m in _VMAP_FAILURES):
+                raise  # torch.func.vmap's own message: call_failure adds the advice
+            # Ambiguous (an in-place op into an unbatched tensor fails with a shape
+            # error): the function's own failure if one example alone fails too.
+            self._one_example(leaves, tree, positions)
+            raise VmapError(self._hint(text)) from e
 
-    def _fake_outputs(self, leaves: list, tree: Any, positions: list) -> Any:
-        """The batched outputs' types from one unbatched fake run of inner.
-
-        Fake tensors break on some nested functorch programs that run fine on real
-        tensors: vmap(vmap(jvp(grad(f)))) for f(x) = (x * x * x).sum() raises
-        FakeTensorDeviceMismatchError ("meta and cpu"), and jax.vmap(jax.hessian(f)) builds
-        exactly that. vmap's outputs are inner's with the batch axis in front, so inner's
-        types are enough; vmap failures still surface when the real call runs.
-        """
-        new, size = list(leaves), None
+    def _one_example(self, leaves: list, tree: Any, positions: list) -> None:
+        new = list(leaves)
         for i, d in zip(positions, self.in_dims, strict=True):
             if d is not None:
-                x = leaves[i]
-                size = x.shape[d]
-                new[i] = x.select(d, 0) if size else x.new_empty(x.shape[:d] + x.shape[d + 1 :])
-        out = self.inner(*_tree.tree_unflatten(tree, new))
+                if not leaves[i].shape[d]:
+                    return
+                new[i] = leaves[i].select(d, 0)
+        self.inner(*_tree.tree_unflatten(tree, new))
 
-        def batched(o: Any) -> torch.Tensor:
-            o = as_tensor(o)
-            return o.unsqueeze(0).expand(size, *o.shape)
-
-        return _tree.tree_map(batched, out)
+    def _loop(self, leaves: list, tree: Any, positions: list) -> Any:
+        """inner once per example, outputs stacked: for what torch.func.vmap cannot run."""
+        mapped = [(i, d) for i, d in zip(positions, self.in_dims, strict=True) if d is not None]
+        size = leaves[mapped[0][0]].shape[mapped[0][1]]
+        device = leaves[mapped[0][0]].device
+        rows, out_tree = [], None
+        for k in range(size):
+            new = list(leaves)
+            for i, d in mapped:
+                new[i] = leaves[i].select(d, k)
+            out_leaves, out_tree = _tree.tree_flatten(self.inner(*_tree.tree_unflatten(tree, new)))
+            rows.append([as_tensor(o, device) for o in out_leaves])
+        stacked = [torch.stack([r[j] for r in rows]) for j in range(out_tree.num_leaves)]
+        return _tree.tree_unflatten(out_tree, stacked)
 
     def _vmap(self, leaves: list, tree: Any, positions: list) -> Any:
         out_tree = []
@@ -177,14 +185,19 @@ class BatchedFunction(DerivedFunction):
         )
         return _tree.tree_map(lambda s: jax.ShapeDtypeStruct((size, *s.shape), s.dtype), inner)
 
-    def fake_failure(self, error: Exception) -> Exception:
-        hint = VMAP_HINT
-        if self.randomness == "error" and "randomness" in str(error):
-            hint = RANDOMNESS_HINT
-        return VmapError(hint.format(name=self.root.name, error=f"{type(error).__name__}: {error}"))
-
     def call_failure(self, error: Exception) -> Exception:
-        return self.fake_failure(error)
+        text = f"{type(error).__name__}: {error}"
+        if not any(m in text.lower() for m in _VMAP_FAILURES):
+            return self.inner.call_failure(error)  # not vmap's: the function's own, say
+        if self.inner.grad_mode and "setup_context" in text:
+            return self.inner.call_failure(error)  # torch.func cannot differentiate it
+        return VmapError(self._hint(text))
+
+    def _hint(self, text: str) -> str:
+        hint = VMAP_HINT
+        if self.randomness == "error" and "randomness" in text:
+            hint = RANDOMNESS_HINT
+        return hint.format(name=self.root.name, error=text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +217,9 @@ class LeadingAxisFunction(DerivedFunction):
         return self.inner(*args)
 
     def declared_shapes(self, options: Options, *args: Any) -> Any:
+        if self.root.result_shape_dtypes is None:
+            # Found types describe what fn does with these very inputs, batch axis and all.
+            return torch_call_p.abstract_eval(*args, fn=self.inner, options=options)
         leaves, tree = _tree.tree_flatten(args)
         unbatched = [
             jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if _is_abstract(x) else x for x in leaves
@@ -212,12 +228,6 @@ class LeadingAxisFunction(DerivedFunction):
             *_tree.tree_unflatten(tree, unbatched), fn=self.inner, options=options
         )
         return _tree.tree_map(lambda s: jax.ShapeDtypeStruct((self.size, *s.shape), s.dtype), inner)
-
-    def fake_failure(self, error: Exception) -> Exception:
-        return self.inner.fake_failure(error)
-
-    def call_failure(self, error: Exception) -> Exception:
-        return self.inner.call_failure(error)
 
 
 LEADING_AXIS_MESSAGE = (
@@ -228,11 +238,9 @@ LEADING_AXIS_MESSAGE = (
 )
 
 
-# torch's error for the fake-tensor limitation worked around in BatchedFunction (a class no
-# exception is an instance of where this torch lacks it).
-_FAKE_DEVICE_BUG = getattr(
-    fake_tensor, "FakeTensorDeviceMismatchError", type("_Never", (Exception,), {})
-)
+# Phrases of torch.func.vmap's own messages (a missing batching rule, .item() or
+# data-dependent control flow under vmap, randomness), as opposed to the function's errors.
+_VMAP_FAILURES = ("vmap", "batching rule", "batchedtensor", "batched tensor")
 
 
 def as_tensor(value: Any, device: torch.device | None = None) -> Any:
@@ -270,7 +278,9 @@ def batch(args: tuple, axes: tuple, *, fn: Any, options: Options) -> tuple[Any, 
     method = options.vmap_method
     if method == "torch":
         in_dims = tuple(a for x, a in zip(leaves, flat_axes, strict=True) if _is_operand(x))
-        batched = BatchedFunction(fn, in_dims, options.vmap_randomness)
+        # A derivative by torch.autograd.grad (grad_mode: one is in fn) cannot be vmapped.
+        loop = options.grad_method == "autograd" and fn.grad_mode
+        batched = BatchedFunction(fn, in_dims, options.vmap_randomness, loop)
         return torch_call_p.bind(*args, fn=batched, options=options), 0
 
     moved = [

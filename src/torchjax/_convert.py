@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from jax._src import config as _jax_config
 from jax._src.lib import _jax  # DLPack both ways without jax.dlpack's per-call overhead
+from torch._subclasses.fake_tensor import is_fake
 
 from torchjax._errors import ConversionError
 
@@ -259,6 +260,14 @@ def tree_to_jax(tree: Any) -> Any:
 
     def convert(path: tuple, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
+            if x.is_meta or is_fake(x):
+                raise ConversionError(
+                    f"{_leaf_path(path)} is a {'meta' if x.is_meta else 'fake'} tensor: it has a "
+                    f"shape and dtype but no data. torchjax runs a wrapped function on fake "
+                    f"tensors once to find its output types; code that leaves torch inside it "
+                    f"cannot run then. Convert real tensors only, or declare the outputs with "
+                    f"to_jax(fn, result_shape_dtypes=...) so that no fake run happens."
+                )
             return tensor_to_jax(x, _leaf_path(path))
         if isinstance(x, np.ndarray):
             return tensor_to_jax(_numpy_to_tensor(x), _leaf_path(path))

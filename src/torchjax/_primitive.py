@@ -43,6 +43,10 @@ from torchjax._pytree_types import (
 
 _tree = jax.tree_util
 
+# The eager signature of calls whose types abstract_eval could not find: the eager
+# fallback rule computes them (see _def_eager_fallback).
+_WITHOUT_TYPES = object()
+
 
 class PytreePrimitive:
     """A JAX primitive whose rules receive and return arbitrary pytrees.
@@ -105,6 +109,7 @@ class PytreePrimitive:
         self._lowering_rule: Callable | None = None
         self._impl_signature = self._lowering_signature = False
         self._flat_impl_rule: Callable | None = None
+        self._eager_fallback_rule: Callable | None = None
         self._params_cache: dict[tuple, BoundParams] = {}
         self._batching_rule: Callable | None = None
         self._jvp_rule: Callable | None = None
@@ -148,6 +153,18 @@ class PytreePrimitive:
         then skip rebuilding the argument pytrees and re-flattening the outputs.
         """
         self._flat_impl_rule = rule
+        return rule
+
+    def _def_eager_fallback(self, rule: Callable) -> Callable:
+        """Register what an eager call does when abstract_eval fails (private: torch_call's).
+
+        ``rule(error, operands, *, in_tree, statics, params)`` returns the output pytree
+        computed from the concrete operands, or raises (`error` itself where it does not
+        apply). Once it has returned for a signature, later eager calls of that signature
+        skip abstract_eval and call it with ``error=None``. Traced calls still need types:
+        the error stands there.
+        """
+        self._eager_fallback_rule = rule
         return rule
 
     def def_lowering(self, rule: Callable | None = None, *, signature: bool = False) -> Any:
@@ -221,10 +238,23 @@ class PytreePrimitive:
             signature = bound.eager_signatures.get(key)
             if signature is None:
                 avals = tuple(core.typeof(x) for x in operands)
-                signature = self._signature_cache(in_tree, statics_t, avals, user_params)
+                try:
+                    signature = self._signature_cache(in_tree, statics_t, avals, user_params)
+                except Exception as e:
+                    if self._eager_fallback_rule is None:
+                        raise
+                    out = self._eager_fallback_rule(
+                        e, operands, in_tree=in_tree, statics=statics_t, params=user_params
+                    )
+                    bound.eager_signatures[key] = _WITHOUT_TYPES
+                    return out
                 if len(bound.eager_signatures) > 4096:
                     bound.eager_signatures.clear()
                 bound.eager_signatures[key] = signature
+            if signature is _WITHOUT_TYPES:
+                return self._eager_fallback_rule(
+                    None, operands, in_tree=in_tree, statics=statics_t, params=user_params
+                )
             out_flat = self._flat_impl(
                 *operands,
                 in_tree=in_tree,
@@ -252,14 +282,18 @@ class PytreePrimitive:
     def abstract_eval(self, *args: Any, **params: Any) -> Any:
         """The output types of ``bind(*args, **params)``: a pytree of ShapeDtypeStruct.
 
-        Uses the same per-signature cache as bind; array leaves may be arrays, tracers or
-        anything with ``.shape`` and ``.dtype``.
+        Uses the same per-signature cache as bind; array leaves may be arrays, tracers,
+        ``ShapedArray`` or ``ShapeDtypeStruct``.
         """
         leaves, in_tree = _tree.tree_flatten(args)
         avals, statics = [], []
         for leaf in leaves:
             if _is_operand(leaf) or isinstance(leaf, core.ShapedArray):
                 avals.append(core.typeof(leaf) if _is_operand(leaf) else leaf)
+                statics.append(_ARRAY)
+            elif isinstance(leaf, jax.ShapeDtypeStruct):
+                # A type (a derived function's, say): the same signature as an array of it.
+                avals.append(core.ShapedArray(leaf.shape, leaf.dtype))
                 statics.append(_ARRAY)
             else:
                 statics.append(leaf)

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 import torch
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from torchjax._convert import canonical_jax_dtype, torch_dtype
@@ -21,8 +22,45 @@ from torchjax._errors import InPlaceMutationError, OutputMismatchError
 _tree = jax.tree_util
 
 # Fake runs are rare (cached) and FakeTensorMode is process-wide state in places; one at a
-# time keeps concurrent first calls from different threads from interleaving.
-_fake_lock = threading.Lock()
+# time keeps concurrent first calls from different threads from interleaving. Reentrant: a
+# wrapped function may call another wrapped function, whose first call fake-runs it too.
+_fake_lock = threading.RLock()
+
+
+class _FakeDepth(threading.local):
+    depth = 0
+
+
+# How many fake runs enclose the current thread's code. An eager torchjax call made from
+# inside one (a wrapped function calling another on concrete JAX arrays) runs for real, so
+# it leaves the fake mode while it does (see real_mode()).
+fake_runs = _FakeDepth()
+
+# Exceptions that are the fake-tensor machinery's, not the function's: a real run of the
+# same function on real data can succeed. Anything else a fake run raises is the user's own.
+_FAKE_LIMITS = tuple(
+    getattr(fake_tensor, name)
+    for name in (
+        "DataDependentOutputException",
+        "DynamicOutputShapeException",
+        "UnsupportedOperatorException",
+        "UnsupportedFakeTensorException",
+        "FakeTensorDeviceMismatchError",
+        "MetadataMismatchError",
+    )
+    if hasattr(fake_tensor, name)
+)
+_FAKE_MESSAGES = (
+    "data-dependent",
+    "data dependent",
+    "doesn't have storage",
+    "fake tensor",
+    "faketensor",
+    "meta tensor",
+    "on meta",
+    "tensor subclass",
+    "GuardOnDataDependentSymNode",
+)
 
 INPLACE_MESSAGE = """\
 {name} modifies its input {path} in place ({how}). JAX arrays are immutable and torchjax
@@ -77,7 +115,34 @@ def output_struct(path: tuple, leaf: Any, name: str) -> jax.ShapeDtypeStruct:
     )
 
 
-def fake_eval(fn: Any, args: tuple, name: str) -> Any:
+def is_fake_limit(error: BaseException) -> bool:
+    """Whether a fake run failed for the fake machinery's reason (data-dependent shapes or
+    control flow, kernels without fake support), not because the function itself raised."""
+    if isinstance(error, _FAKE_LIMITS):
+        return True
+    text = f"{type(error).__name__} {error}".lower()
+    return any(m.lower() in text for m in _FAKE_MESSAGES)
+
+
+def real_mode() -> Any:
+    """A context in which torch runs for real even inside an enclosing fake run."""
+    return fake_tensor.unset_fake_temporarily()
+
+
+def fake_target(fn: Any) -> Any:
+    """What to fake-run for `fn`: the original of a torch.compile'd function or module.
+
+    torch.compile's own frames cannot run under a FakeTensorMode of ours (it crashes or
+    mixes devices), but the code it compiled computes the same types.
+    """
+    orig = getattr(fn, "_torchdynamo_orig_callable", None)
+    if orig is not None:
+        return orig
+    mod = getattr(fn, "_orig_mod", None)
+    return mod if isinstance(mod, torch.nn.Module) else fn
+
+
+def fake_eval(fn: Any, args: tuple, name: str, describe: Any = None) -> Any:
     """Run `fn(*args)` on fake tensors; return its output as a pytree of ShapeDtypeStruct.
 
     Args:
@@ -85,16 +150,18 @@ def fake_eval(fn: Any, args: tuple, name: str) -> Any:
       args: pytrees whose array leaves are avals (``.shape``/``.dtype``); other leaves
         are passed through as they are.
       name: the user-facing function name, for messages.
+      describe: maps a leaf's key path to its name in messages (default ``args[i]...``).
 
     Raises:
       InPlaceMutationError: `fn` modified an input in place.
       Exception: whatever `fn` raised on fake tensors; callers add the context.
     """
     device = default_torch_device()
-    with _fake_lock, FakeTensorMode(allow_non_fake_inputs=True):
+    no_inference = torch.inference_mode(False)  # inference tensors have no version counter
+    with _fake_lock, _inside_fake_run(), no_inference, FakeTensorMode(allow_non_fake_inputs=True):
         leaves, tree = _tree.tree_flatten_with_path(args)
         fakes, paths, values = [], [], []
-        describe = getattr(fn, "arg_path", _path_of)
+        describe = describe or _path_of
         for path, leaf in leaves:
             if isinstance(leaf, jax.core.ShapedArray | jax.ShapeDtypeStruct):
                 t = torch.empty(leaf.shape, dtype=torch_dtype(leaf.dtype), device=device)
@@ -107,3 +174,11 @@ def fake_eval(fn: Any, args: tuple, name: str) -> Any:
         out = fn(*_tree.tree_unflatten(tree, values))
         check_versions(fakes, versions, paths, name, "seen while inferring output shapes")
     return _tree.tree_map_with_path(lambda p, x: output_struct(p, x, name), out)
+
+
+class _inside_fake_run:
+    def __enter__(self) -> None:
+        fake_runs.depth += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        fake_runs.depth -= 1

@@ -13,9 +13,12 @@
 #     the checkpoint's transpose partially evaluates it and the first rule splits it there.
 #   * vmap over tangents only (jacfwd, hessian): the outputs do not depend on the batched
 #     tangents and must come out unbatched, so fn runs once and the linear half is batched.
+#     Likewise a VJP batched over its cotangents only (jacrev) runs the forward once and
+#     batches the pullback (VjpFunction.ct_batch).
 # Any other case (a primal unknown or batched too, everything known) is treated whole.
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -23,7 +26,7 @@ from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
 from torchjax import _batching
-from torchjax._autodiff import JvpFunction
+from torchjax._autodiff import JvpFunction, VjpFunction
 from torchjax._pytree_types import _ARRAY, _rebuild
 from torchjax._torch_call import torch_call_p
 
@@ -135,7 +138,13 @@ def _torch_call_eqn(like: Any, invars: list, outvars: list, in_tree: Any, static
 
 @torch_call_p.def_batching
 def _batch(args: tuple, axes: tuple, *, fn: Any, options: Any) -> tuple[Any, Any]:
-    """Batch the combined call as two when only its tangents are batched; else as one."""
+    """Batch the combined call as two when only its tangents are batched, a VJP with only
+    its cotangents batched as one forward and a batched pullback; else as one call."""
+    if isinstance(fn, VjpFunction) and options.vmap_method == "torch":
+        if not any(a is not None for a in jax.tree_util.tree_leaves(axes[0])):
+            level = tuple(axes[1])  # the cotangents: one array each, so one axis each
+            pulled = dataclasses.replace(fn, ct_batch=(*fn.ct_batch, level))
+            return torch_call_p.bind(*args, fn=pulled, options=options), 0
     primals, tangents = args if isinstance(fn, JvpFunction) and fn.with_primals else ((), ())
     if not tangents or any(a is not None for a in jax.tree_util.tree_leaves(axes[0])):
         return _batching.batch(args, axes, fn=fn, options=options)

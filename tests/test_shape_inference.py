@@ -1,0 +1,259 @@
+# Shape inference that real models survive (issue #15): only the user's own function is
+# ever fake-run (once per signature), derived functions take their types from it, eager
+# calls run for real where fakes cannot go, and the user's exceptions stay theirs.
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
+
+import torchjax
+from torchjax._errors import ConversionError, InPlaceMutationError, ShapeInferenceError
+
+
+def _close(actual, expected, atol=1e-5):
+    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=1e-4, atol=atol)
+
+
+def _t(x):
+    return torch.tensor(np.asarray(x))
+
+
+class FakeRuns:
+    """Wraps a torch function; counts the calls that received fake tensors."""
+
+    def __init__(self, f):
+        self.f, self.fake, self.real = f, 0, 0
+
+    def __call__(self, *args):
+        if any(is_fake(a) for a in args if isinstance(a, torch.Tensor)):
+            self.fake += 1
+        else:
+            self.real += 1
+        return self.f(*args)
+
+
+def test_derived_functions_are_never_fake_run():
+    f = FakeRuns(lambda x: (torch.tanh(x) * x).sum())
+    g = torchjax.to_jax(f)
+    x = jnp.linspace(-1.0, 1.0, 4)
+    jax.jit(jax.hessian(g)).lower(x)
+    jax.jit(jax.vmap(jax.grad(g))).lower(jnp.stack([x, x]))
+    jax.jit(jax.jacrev(jax.jacfwd(g))).lower(x)
+    # One fake run per signature of the user's own function: [4] and, under vmap's
+    # BatchedFunction, still [4] (its types are derived from the unbatched ones).
+    assert f.fake == 1
+    assert f.real == 0
+
+
+def test_index_fill_gradient():
+    # The fake run of the VJP met aten._unique (DynamicOutputShapeException).
+    x, i, v = jnp.ones((4, 2)), jnp.array([0, 2]), jnp.array(3.0)
+    fill = torchjax.to_jax(lambda x, i, v: x.index_fill(0, i.long(), v))
+    assert float(jax.grad(lambda v: fill(x, i, v).sum())(v)) == 4.0
+    assert float(jax.jit(jax.grad(lambda v: fill(x, i, v).sum()))(v)) == 4.0
+    put = torchjax.to_jax(lambda x, v: x.index_put((torch.tensor([0, 2]),), v))
+    _close(jax.grad(lambda v: put(x, v).sum())(jnp.ones(2)), [2.0, 2.0])
+
+
+def test_layer_norm_gradient_with_respect_to_some_inputs():
+    # torch's fake-tensor bug (FakeTensorDeviceMismatchError) in torch.func.jvp.
+    def f(x, w):
+        return F.layer_norm(x, (4,), weight=w).tanh().sum()
+
+    x, w = jnp.linspace(-1, 1, 8).reshape(2, 4), jnp.linspace(0.5, 1.5, 4)
+    expected = torch.func.grad(f)(_t(x), _t(w))
+    _close(jax.grad(torchjax.to_jax(f))(x, w), expected)
+    _close(jax.jit(jax.grad(torchjax.to_jax(f)))(x, w), expected)
+
+
+def test_autograd_grad_method_with_fused_attention():
+    def f(q):
+        return F.scaled_dot_product_attention(q, q, q).sum()
+
+    q = jnp.linspace(-1, 1, 48).reshape(2, 2, 3, 4)
+    g = torchjax.to_jax(f, grad_method="autograd")
+    _close(jax.grad(g)(q), torch.func.grad(f)(_t(q)))
+    _close(jax.jit(jax.grad(g))(q), torch.func.grad(f)(_t(q)))
+
+
+def test_torch_compile_function_in_every_transform():
+    compiled = torch.compile(lambda x: torch.sin(x).sum())
+    f = torchjax.to_jax(compiled)
+    x = jnp.ones((3, 3))
+    _close(f(x), 9 * np.sin(1.0))
+    _close(jax.jit(f)(x), 9 * np.sin(1.0))
+    _close(jax.vmap(f)(jnp.ones((2, 3, 3))), [9 * np.sin(1.0)] * 2)
+    _close(jax.grad(f)(x), np.cos(np.ones((3, 3))))
+    _close(jax.jit(jax.grad(f))(x), np.cos(np.ones((3, 3))))
+
+
+def test_torch_compile_module():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2)
+    f = torchjax.to_jax(torch.compile(lin))
+    x = jnp.ones((4, 3))
+    expected = lin(torch.ones(4, 3)).detach()
+    _close(f(x), expected)
+    _close(jax.jit(f)(x), expected)
+    _close(jax.vmap(f)(x[:, None]), expected[:, None])
+
+
+def test_eager_call_runs_for_real_where_fakes_cannot():
+    def logp(x):  # validate_args reads values, which a fake run may not
+        return torch.distributions.Normal(torch.zeros(3), torch.ones(3)).log_prob(x).sum()
+
+    x = jnp.array([0.1, -0.4, 2.0])
+    _close(torchjax.to_jax(logp)(x), logp(_t(x)))
+
+    f = FakeRuns(lambda x: x[x > 0] * 2)  # the output's shape depends on the values
+    g = torchjax.to_jax(f)
+    _close(g(x), [0.2, 4.0])
+    _close(g(-x), [0.8])
+    assert (f.fake, f.real) == (1, 2)  # later calls go straight to a real run
+    with pytest.raises(ShapeInferenceError, match="(?s)DynamicOutputShape.*result_shape_dtypes"):
+        jax.jit(g)(x)
+
+
+def test_real_run_fallback_never_writes_into_the_caller_arrays():
+    def sneaky(x):
+        y = x[x > 0]  # data-dependent shape: no fake run can find it
+        x.add_(1)
+        return y
+
+    x = jnp.array([1.0, -2.0, 3.0])
+    with pytest.raises(InPlaceMutationError, match=r"args\[0\]"):
+        torchjax.to_jax(sneaky)(x)
+    np.testing.assert_array_equal(x, [1.0, -2.0, 3.0])
+
+
+def test_inference_mode():
+    f = torchjax.to_jax(lambda x: x * 2)
+    with torch.inference_mode():
+        out = f(jnp.ones(3))
+        grad = jax.grad(lambda x: f(x).sum())(jnp.ones(3))
+    _close(out, 2 * np.ones(3))
+    _close(grad, 2 * np.ones(3))
+
+
+def _raise_value_error(x):
+    raise ValueError("bad input: negative scale")
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda f: f,
+        jax.vmap,
+        jax.grad,
+        lambda f: lambda x: jax.jvp(f, (x,), (x,)),
+        jax.hessian,
+    ],
+    ids=["eager", "vmap", "grad", "jvp", "hessian"],
+)
+def test_user_exception_stays_theirs_in_every_transform(transform):
+    f = torchjax.to_jax(_raise_value_error)
+    x = jnp.ones(3) if transform is not jax.vmap else jnp.ones((2, 3))
+    with pytest.raises(ValueError, match="bad input: negative scale") as info:
+        transform(f)(x)
+    assert any("_raise_value_error" in note for note in info.value.__notes__)
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: torchjax.to_jax(lambda x, y: x + y)(jnp.ones(3)), TypeError, "missing 1"),
+        (lambda: torchjax.to_jax(lambda x, y: x @ y)(jnp.ones(3), jnp.ones(4)), RuntimeError, ""),
+        (lambda: torchjax.to_jax(torch.sin)([jnp.ones(3)]), TypeError, "must be Tensor"),
+    ],
+    ids=["arity", "shapes", "list"],
+)
+def test_deterministic_user_errors_are_not_blamed_on_shape_inference(call, error, match):
+    with pytest.raises(error, match=match) as info:
+        call()
+    assert not isinstance(info.value, ShapeInferenceError)
+
+
+def test_user_exception_under_vmap_is_not_a_vmap_error():
+    def check(x):
+        if x.shape[-1] > 2:  # validation on shapes: the same under vmap
+            raise ValueError("at most 2 features")
+        return x
+
+    f = torchjax.to_jax(check, result_shape_dtypes=lambda x: x)
+    with pytest.raises(ValueError, match="at most 2 features"):
+        jax.vmap(f)(jnp.ones((2, 3)))
+
+
+def test_wrapped_function_calling_another_eagerly_inside_its_torch_code():
+    inner = torchjax.to_jax(lambda x: x + 1)
+    c = jnp.ones(2)
+
+    def outer(x):
+        return x * torchjax.tree_to_torch(inner(c)).sum()
+
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("v", torchjax.to_jax(outer)(jnp.ones(3))))
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "reentrant fake run deadlocked"
+    _close(result["v"], 4 * np.ones(3))
+
+
+def test_fake_tensor_handed_to_tree_to_jax_is_a_conversion_error():
+    def leaks(x):
+        torchjax.tree_to_jax({"a": x})
+        return x * 1
+
+    with pytest.raises(ConversionError, match=r"tree\['a'\] is a fake tensor"):
+        jax.jit(torchjax.to_jax(leaks))(jnp.ones(3))
+    with pytest.raises(ConversionError, match="meta tensor"):
+        torchjax.tree_to_jax(torch.empty(2, device="meta"))
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_grads_match(model, ids, **kwargs):
+    apply, variables = torchjax.module_to_jax(model)
+
+    def loss(params, ids):
+        out = apply({"params": params, "buffers": variables["buffers"]}, ids, **kwargs)
+        return jnp.mean(out[0] ** 2)
+
+    grads = jax.jit(jax.grad(loss))(variables["params"], ids)
+    model.zero_grad()
+    out = model(_t(ids), **kwargs)
+    out[0].pow(2).mean().backward()
+    checked = 0
+    for name, p in model.named_parameters():
+        if p.grad is not None and name in grads:
+            _close(grads[name], p.grad, atol=1e-6)
+            checked += 1
+    assert checked > 10
+
+
+def test_gpt2_tiny_config_gradients_match_torch():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    _hf_grads_match(model, jnp.array([[1, 5, 7, 9]]), return_dict=False, use_cache=False)
+
+
+def test_bert_tiny_config_gradients_match_torch():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=37,
+        vocab_size=100,
+    )
+    model = transformers.BertModel(cfg).eval()
+    _hf_grads_match(model, jnp.array([[1, 5, 7, 9]]), return_dict=False)
