@@ -296,7 +296,8 @@ def _stack_batch(tensors: tuple, levels: tuple) -> tuple[tuple, tuple]:
     ``[prod(sizes), ...]``."""
     tensors, placed, sizes = list(tensors), 0, []
     for dims in reversed(levels):
-        size = next(t.shape[placed + d] for t, d in zip(tensors, dims, strict=True) if d is not None)
+        pairs = zip(tensors, dims, strict=True)
+        size = next(t.shape[placed + d] for t, d in pairs if d is not None)
         sizes.append(size)
         tensors = [
             t.movedim(placed + d, placed)
