@@ -50,6 +50,7 @@ SUITES = {
     "to_jax": "`to_jax` overhead",
     "vmap": "`jax.vmap` of a wrapped function",
     "grad": "`jax.grad` and `jax.jvp` through a wrapped function",
+    "hessian": "`jax.hessian` through a wrapped function",
     "to_torch": "`to_torch` overhead",
 }
 SECTIONS = [*SUITES, "sweep"]
