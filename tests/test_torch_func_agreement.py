@@ -189,3 +189,20 @@ def test_forward_mode_without_formula_names_the_way_out():
     _close(jax.grad(f)(x), 2 * x)
     with pytest.raises(AutodiffError, match="(?s)forward-mode derivative.*grad_method='autograd'"):
         jax.jvp(f, (x,), (x,))
+
+
+def test_vmap_of_grad_where_torch_func_vmap_alone_cannot_batch():
+    # torch.func.vmap has no rule for column_stack; beneath an autograd level (as in
+    # torch.func.vmap(torch.func.grad(f))) it decomposes into ops it can batch.
+    f = lambda x: torch.column_stack([x, x * x]).sum()
+    xs = jnp.array([[1.0, 2.0, 3.0], [-1.0, 0.5, 0.0]])
+    expected = torch.func.vmap(torch.func.grad(f))(_t(xs))
+    _close(jax.vmap(jax.grad(torchjax.to_jax(f)))(xs), expected)
+    _close(jax.jit(jax.vmap(jax.grad(torchjax.to_jax(f))))(xs), expected)
+
+
+def test_jacrev_of_empty_inputs():
+    f = lambda x: torch.flip(x, (0,)) * 2
+    x = jnp.zeros((5, 0))
+    assert jax.jacrev(jax.jacrev(torchjax.to_jax(lambda x: f(x).sum())))(x).shape == (5, 0, 5, 0)
+    assert jax.jacrev(torchjax.to_jax(f))(x).shape == (5, 0, 5, 0)

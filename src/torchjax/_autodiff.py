@@ -306,7 +306,8 @@ def _stack_batch(tensors: tuple, levels: tuple) -> tuple[tuple, tuple]:
             for t, d in zip(tensors, dims, strict=True)
         ]
         placed += 1
-    return tuple(t.reshape(-1, *t.shape[placed:]) for t in tensors), tuple(sizes)
+    n = int(np.prod(sizes))
+    return tuple(t.reshape(n, *t.shape[placed:]) for t in tensors), tuple(sizes)
 
 
 def _autograd_pullbacks(g: Any, x: list, flat_cts: tuple) -> tuple:

@@ -117,6 +117,13 @@ class BatchedFunction(DerivedFunction):
             return self._vmap(leaves, tree, positions)
         except Exception as e:
             text = f"{type(e).__name__}: {e}"
+            if "batching rule not implemented" in text.lower():
+                # Composite ops (column_stack) decompose into batchable ones only beneath
+                # an autograd level, as under torch.func.vmap(torch.func.grad(f)).
+                try:
+                    return self._vmap(leaves, tree, positions, decompose=True)
+                except Exception:
+                    raise e from None
             if any(m in text.lower() for m in _VMAP_FAILURES):
                 raise  # torch.func.vmap's own message: call_failure adds the advice
             # Ambiguous (an in-place op into an unbatched tensor fails with a shape
@@ -148,7 +155,7 @@ class BatchedFunction(DerivedFunction):
         stacked = [torch.stack([r[j] for r in rows]) for j in range(out_tree.num_leaves)]
         return _tree.tree_unflatten(out_tree, stacked)
 
-    def _vmap(self, leaves: list, tree: Any, positions: list) -> Any:
+    def _vmap(self, leaves: list, tree: Any, positions: list, decompose: bool = False) -> Any:
         out_tree = []
         device = leaves[positions[0]].device if positions else None
         # Only the batched tensors go through vmap's arguments; the others are captured,
@@ -167,7 +174,8 @@ class BatchedFunction(DerivedFunction):
             return out[0] if len(out) == 1 else tuple(out)
 
         dims = tuple(d for _, d in mapped)
-        out = vmap_call(flat, [leaves[i] for i, _ in mapped], dims, self.randomness)
+        call = _beneath_autograd(flat) if decompose else flat
+        out = vmap_call(call, [leaves[i] for i, _ in mapped], dims, self.randomness)
         return _tree.tree_unflatten(out_tree[-1], [out] if out_tree[-1].num_leaves == 1 else out)
 
     def declared_shapes(self, options: Options, *args: Any) -> Any:
@@ -198,6 +206,23 @@ class BatchedFunction(DerivedFunction):
         if self.randomness == "error" and "randomness" in text:
             hint = RANDOMNESS_HINT
         return hint.format(name=self.root.name, error=text)
+
+
+def _beneath_autograd(flat: Any) -> Any:
+    """flat, run under a torch.func autograd level over its floating inputs (outputs only)."""
+
+    def call(*tensors: torch.Tensor) -> Any:
+        floats = [i for i, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()]
+
+        def of_floats(*fs: torch.Tensor) -> Any:
+            new = list(tensors)
+            for i, t in zip(floats, fs, strict=True):
+                new[i] = t
+            return flat(*new)
+
+        return torch.func.vjp(of_floats, *[tensors[i] for i in floats])[0]
+
+    return call
 
 
 @dataclasses.dataclass(frozen=True)
