@@ -217,7 +217,7 @@ def test_fake_tensor_handed_to_tree_to_jax_is_a_conversion_error():
         torchjax.tree_to_jax(torch.empty(2, device="meta"))
 
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (pinned in requirements-dev.txt)
 
 
 def _hf_grads_match(model, ids, **kwargs):
