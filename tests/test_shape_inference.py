@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch._subclasses.fake_tensor import is_fake
 
 import torchjax
@@ -215,9 +216,6 @@ def test_fake_tensor_handed_to_tree_to_jax_is_a_conversion_error():
         jax.jit(torchjax.to_jax(leaks))(jnp.ones(3))
     with pytest.raises(ConversionError, match="meta tensor"):
         torchjax.tree_to_jax(torch.empty(2, device="meta"))
-
-
-import transformers  # noqa: E402  (pinned in requirements-dev.txt)
 
 
 def _hf_grads_match(model, ids, **kwargs):
