@@ -37,6 +37,8 @@ from torchjax._derivative import (
 )
 from torchjax._errors import AutodiffError
 from torchjax._pytree_types import Linear, _is_operand
+from torchjax._residual import GRAPHS, KeptGraph, recording, replaying, rng_state, rng_state_size
+from torchjax._shapes import default_torch_device
 from torchjax._torch_call import Options, torch_call_p
 
 _tree = jax.tree_util
@@ -50,6 +52,10 @@ class JvpFunction(_Derivative):
     *tangents)``, from the one torch.func.jvp that computes both. The JVP rule binds that
     form; where JAX needs the halves apart (linearize, grad, checkpoint, jacfwd), the
     rules in _split_jvp.py split it back into the primal call and the linear form.
+
+    ``taped``: the linear form that follows a TapedFunction, called as ``(primals,
+    residuals, tangents)`` with that call's residuals; it replays the forward's random
+    draws, and its transpose pulls back through the kept graph.
     """
 
     inner: Any
@@ -57,12 +63,20 @@ class JvpFunction(_Derivative):
     out_mask: tuple
     grad_method: str
     with_primals: bool = False
+    taped: bool = False
 
     @property
     def linear(self) -> JvpFunction:
         return dataclasses.replace(self, with_primals=False)
 
-    def __call__(self, primals: tuple, tangents: tuple) -> tuple:
+    def __call__(self, primals: tuple, *rest: tuple) -> tuple:
+        if not self.taped:
+            return self._jvp(primals, rest[0])
+        (_, state), tangents = rest
+        with replaying(_plain(state, 1), _device_of(primals)):
+            return self._jvp(primals, tangents)
+
+    def _jvp(self, primals: tuple, tangents: tuple) -> tuple:
         g, x = self._restricted(primals)
         if self.grad_method == "torch.func":
             outs, t_outs, rest = torch.func.jvp(g, tuple(x), tuple(tangents), has_aux=True)
@@ -108,8 +122,8 @@ class JvpFunction(_Derivative):
                     result[i] = t
         return out, tuple(result), rest
 
-    def declared_shapes(self, options: Options, primals: tuple, tangents: tuple) -> tuple:
-        del tangents
+    def declared_shapes(self, options: Options, primals: tuple, *rest: tuple) -> tuple:
+        del rest
         out = torch_call_p.abstract_eval(*primals, fn=self.inner, options=options)
         every = _tree.tree_leaves(out)
         masked = tuple(s for s, m in zip(every, self.out_mask, strict=True) if m)
@@ -133,17 +147,33 @@ class VjpFunction(_Derivative):
     out_mask: tuple
     grad_method: str
     ct_batch: tuple = ()
+    taped: bool = False  # called as (primals, residuals, cotangents): see JvpFunction
 
-    def __call__(self, primals: tuple, cotangents: tuple) -> tuple:
+    def __call__(self, primals: tuple, *rest: tuple) -> tuple:
+        cotangents = rest[-1]
         # torch pulls back with the conjugate of JAX's cotangent convention for complex
         # numbers: JAX's vjp(ct) is conj(torch's vjp(conj(ct))). Real leaves are unaffected.
         if any(map(torch.is_complex, cotangents)):
             cotangents = tuple(map(_conj, cotangents))
-        if self.ct_batch:
+        if self.taped:
+            grads = self._after_taped(primals, rest[0], cotangents)
+        elif self.ct_batch:
             grads = self._batched_pullback(primals, cotangents)
         else:
             grads = self._pullback(primals, cotangents)
         return tuple(map(_conj, grads)) if any(map(torch.is_complex, grads)) else tuple(grads)
+
+    def _after_taped(self, primals: tuple, residuals: tuple, cotangents: tuple) -> tuple:
+        """Through the graph the forward kept, if it is still there and nothing outside
+        differentiates this call; otherwise recompute, replaying the forward's draws."""
+        handle, state = (_plain(r, ndim) for r, ndim in zip(residuals, (0, 1), strict=True))
+        graph = GRAPHS.take(int(handle)) if handle is not None and int(handle) else None
+        if graph is not None and not self.ct_batch and _outermost((primals, cotangents)):
+            return _through(graph, primals, self.out_mask, cotangents)
+        with replaying(state, _device_of(primals)):
+            if self.ct_batch:
+                return self._batched_pullback(primals, cotangents)
+            return self._pullback(primals, cotangents)
 
     def _pullback(self, primals: tuple, cotangents: tuple) -> tuple:
         g, x = self._restricted(primals)
@@ -169,8 +199,9 @@ class VjpFunction(_Derivative):
             grads = vmap_call(lambda *c: tuple(pullback(c)), list(flat), (0,) * len(flat), "error")
         return tuple(gr.reshape(*lead, *gr.shape[1:]) for gr in grads)
 
-    def declared_shapes(self, options: Options, primals: tuple, cotangents: tuple) -> tuple:
+    def declared_shapes(self, options: Options, primals: tuple, *rest: tuple) -> tuple:
         del options
+        cotangents = rest[-1]
         leaves = _tree.tree_leaves(primals)
         lead = _batch_sizes([c.shape for c in cotangents], self.ct_batch)
         return tuple(
@@ -178,12 +209,101 @@ class VjpFunction(_Derivative):
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class TapedFunction(_Derivative):
+    """``(*primals) -> (*inner's flat outputs, handle, rng_state)``: the primal half of a
+    call that reverse mode splits (_split_jvp.py), run with autograd recording on the
+    `wrt` leaves. The graph is kept under `handle` (0: none kept, e.g. under a torch.func
+    transform) for the VJP to pull back through; `rng_state` is torch's generator state
+    from before the forward, for a VJP that must recompute. See _residual.py.
+    """
+
+    inner: Any
+    wrt: tuple
+    out_mask: tuple
+    grad_method: str
+
+    def __call__(self, *primals: Any) -> tuple:
+        tensors = [x for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)]
+        device = tensors[0].device if tensors else default_torch_device()
+        state = rng_state(device).to(device)
+        g, x = self._restricted(primals)
+        handle = 0
+        # A derivative (grad of grad) is differentiated again by torch.func, which does
+        # not take saved-tensor hooks: only the user's own function keeps its graph.
+        if _outermost(primals) and not self.inner.grad_mode:
+            try:
+                masked, rest, handle = self._keep_graph(g, x, tensors)
+            except RuntimeError as e:
+                if "saved tensor hooks" not in str(e):
+                    raise
+                # fn uses torch.func itself: run it again as it is, with the same draws.
+                with replaying(state, device):
+                    masked, rest = g(*x)
+        else:
+            masked, rest = g(*x)
+        done, others = iter(masked), iter(rest)
+        outs = [next(done) if m else next(others) for m in self.out_mask]
+        return (*outs, torch.tensor(handle, dtype=torch.int32, device=device), state)
+
+    def _keep_graph(self, g: Any, x: list, tensors: list) -> tuple:
+        graph = KeptGraph()
+        with torch.enable_grad(), recording(graph, tensors):
+            graph.leaves = _on_tape(x)
+            masked, rest = g(*graph.leaves)
+        if not any(o.requires_grad for o in masked):
+            return masked, rest, 0
+        found = iter(masked)
+        graph.outputs = [next(found) if m else None for m in self.out_mask]
+        return masked, rest, GRAPHS.put(graph)
+
+    def declared_shapes(self, options: Options, *primals: Any) -> tuple:
+        out = torch_call_p.abstract_eval(*primals, fn=self.inner, options=options)
+        out, size = _tree.tree_leaves(out), rng_state_size(default_torch_device())
+        return (*out, jax.ShapeDtypeStruct((), np.int32), jax.ShapeDtypeStruct((size,), np.uint8))
+
+
+def _through(graph: KeptGraph, primals: tuple, out_mask: tuple, cotangents: tuple) -> tuple:
+    """The cotangents of graph's leaves from a kept forward; frees the graph."""
+    # Saved views of the inputs are rebuilt from these: the same values as the forward's.
+    graph.inputs = [x for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)]
+    outs = [o for o, m in zip(graph.outputs, out_mask, strict=True) if m]
+    pairs = [(o, c) for o, c in zip(outs, cotangents, strict=True) if o is not None]
+    pairs = [(o, c) for o, c in pairs if o.requires_grad]  # others do not depend on leaves
+    try:
+        if not pairs:
+            return tuple(torch.zeros_like(x) for x in graph.leaves)
+        return torch.autograd.grad(
+            [o for o, _ in pairs],
+            graph.leaves,
+            [c for _, c in pairs],
+            allow_unused=True,
+            materialize_grads=True,
+        )
+    finally:
+        graph.inputs = graph.outputs = graph.leaves = []
+
+
+def _plain(t: Any, ndim: int) -> Any:
+    """t if it is a plain tensor of `ndim` dims; None if a torch.func transform wraps it or
+    it carries a batch axis (vmap_method="broadcast_all"): a batch of handles or RNG
+    states has no single graph or generator state to use."""
+    if isinstance(t, torch.Tensor) and t.dim() == ndim:
+        if not torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return t
+    return None
+
+
+def _device_of(primals: tuple) -> torch.device | None:
+    return next((x.device for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)), None)
+
+
 @torch_call_p.def_jvp
 def _jvp(primals: tuple, tangents: tuple, *, fn: Any, options: Options) -> tuple[Any, Any]:
     """Outputs and tangents from one call, JvpFunction(fn, with_primals=True), given the
     nonzero float tangents; fn alone where no output tangent can be nonzero."""
-    if isinstance(fn, VjpFunction) and not _tree.tree_leaves(tangents[0]):
-        return _jvp_of_pullback(primals, tangents[1], fn, options)
+    if isinstance(fn, VjpFunction) and not _tree.tree_leaves(tangents[:-1]):
+        return _jvp_of_pullback(primals, tangents[-1], fn, options)
     leaves, tree = _tree.tree_flatten(primals)
     t_leaves = tree.flatten_up_to(tangents)
     wrt = tuple(
@@ -208,13 +328,13 @@ def _jvp_of_pullback(primals: tuple, ct_dots: tuple, fn: VjpFunction, options: O
     """A VJP differentiated with respect to its cotangents alone, in which it is linear:
     its tangent is the same VJP of the cotangents' tangents. Both come from one call that
     runs the forward once and pulls back the two cotangents as a batch of two."""
-    points, cts = primals
+    *points, cts = primals
     if all(t is None for t in ct_dots):
         return torch_call_p.bind(*primals, fn=fn, options=options), None
     dots = [jax.numpy.zeros_like(c) if t is None else t for c, t in zip(cts, ct_dots, strict=True)]
     pair = tuple(jax.numpy.stack([c, t]) for c, t in zip(cts, dots, strict=True))
     both = dataclasses.replace(fn, ct_batch=(*fn.ct_batch, (0,) * len(cts)))
-    out = torch_call_p.bind(points, pair, fn=both, options=options)
+    out = torch_call_p.bind(*points, pair, fn=both, options=options)
     return tuple(o[0] for o in out), tuple(o[1] for o in out)
 
 
@@ -238,19 +358,20 @@ def _transpose(cts: Any, *args: Any, fn: Any, options: Options) -> tuple:
             )
         cts, fn = cts[n_out:], fn.linear
     if isinstance(fn, JvpFunction):
-        primals, tangents = args
-        if all(isinstance(t, Linear) for t in tangents) and not _has_linear(primals):
+        primals, *residuals, tangents = args  # residuals: a taped form's (handle, rng)
+        if all(isinstance(t, Linear) for t in tangents) and not _has_linear((primals, residuals)):
+            nothing = (None,) * len(args)
             keep = [i for i, c in enumerate(cts) if c is not None]
             if not keep:
-                return None, None
+                return nothing
             float_outputs = [j for j, m in enumerate(fn.out_mask) if m]
             chosen = {float_outputs[i] for i in keep}
             out_mask = tuple(j in chosen for j in range(len(fn.out_mask)))
-            vjp_fn = VjpFunction(fn.inner, fn.wrt, out_mask, fn.grad_method)
+            vjp_fn = VjpFunction(fn.inner, fn.wrt, out_mask, fn.grad_method, taped=fn.taped)
             grads = torch_call_p.bind(
-                primals, tuple(cts[i] for i in keep), fn=vjp_fn, options=options
+                primals, *residuals, tuple(cts[i] for i in keep), fn=vjp_fn, options=options
             )
-            return None, tuple(grads)
+            return (*nothing[:-1], tuple(grads))
     return _transpose_generic(cts, args, fn, options)
 
 

@@ -214,13 +214,24 @@ def _beneath_autograd(flat: Any) -> Any:
     def call(*tensors: torch.Tensor) -> Any:
         floats = [i for i, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()]
 
+        kinds: list = []
+
         def of_floats(*fs: torch.Tensor) -> Any:
             new = list(tensors)
             for i, t in zip(floats, fs, strict=True):
                 new[i] = t
-            return flat(*new)
+            out = flat(*new)
+            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            kinds.append([o.is_floating_point() or o.is_complex() for o in outs])
+            # vjp takes floating outputs only; the others (an int handle, say) ride as aux.
+            return tuple(o for o in outs if o.is_floating_point() or o.is_complex()), [
+                o for o in outs if not (o.is_floating_point() or o.is_complex())
+            ]
 
-        return torch.func.vjp(of_floats, *[tensors[i] for i in floats])[0]
+        inexact, _, others = torch.func.vjp(of_floats, *[tensors[i] for i in floats], has_aux=True)
+        inexact, others = iter(inexact), iter(others)
+        outs = [next(inexact) if k else next(others) for k in kinds[-1]]
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     return call
 

@@ -26,7 +26,7 @@ from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
 from torchjax import _batching
-from torchjax._autodiff import JvpFunction, VjpFunction
+from torchjax._autodiff import JvpFunction, TapedFunction, VjpFunction
 from torchjax._pytree_types import _ARRAY, _rebuild
 from torchjax._torch_call import torch_call_p
 
@@ -58,11 +58,15 @@ def _partial_eval(trace: pe.JaxprTrace, *tracers: Any, **flat: Any) -> list:
     options = dict(flat["params"])["options"]
     values = [t.pval.get_known() for t in tracers[:n_primal]] + list(tracers[n_primal:])
     primals, _ = _rebuild(in_tree, statics, values)
-    out = torch_call_p.bind(*primals, fn=fn.inner, options=options)
-    outs = [trace.new_const(v) for v in jax.tree_util.tree_leaves(out)]
+    # The forward runs now, keeping torch's graph and RNG state for the linear half.
+    taped = TapedFunction(fn.inner, fn.wrt, fn.out_mask, fn.grad_method)
+    *out, handle, rng = torch_call_p.bind(*primals, fn=taped, options=options)
+    outs = [trace.new_const(v) for v in out]
+    residuals = (trace.new_const(handle), trace.new_const(rng))
     primals_t, tangents_t = _rebuild(in_tree, statics, tracers)
+    linear = dataclasses.replace(fn, with_primals=False, taped=True)
     with core.set_current_trace(trace):
-        tangents = torch_call_p.bind(primals_t, tangents_t, fn=fn.linear, options=options)
+        tangents = torch_call_p.bind(primals_t, residuals, tangents_t, fn=linear, options=options)
     return [*outs, *tangents]
 
 
@@ -140,9 +144,23 @@ def _torch_call_eqn(like: Any, invars: list, outvars: list, in_tree: Any, static
 def _batch(args: tuple, axes: tuple, *, fn: Any, options: Any) -> tuple[Any, Any]:
     """Batch the combined call as two when only its tangents are batched, a VJP with only
     its cotangents batched as one forward and a batched pullback; else as one call."""
+    if isinstance(fn, TapedFunction):
+        # Batched, the forward keeps no graph and no generator state (both "none": zeros),
+        # so it is only the inner call, which jit drops where its outputs go unused, as in
+        # jax.jit(jax.vmap(jax.grad(f))): one batched VJP call.
+        out, out_axes = _batching.batch(args, axes, fn=fn.inner, options=options)
+        out = jax.tree_util.tree_leaves(out)
+        handle, rng = jax.tree_util.tree_leaves(
+            torch_call_p.abstract_eval(*args, fn=fn, options=options)
+        )[-2:]
+        nothing = (
+            jax.numpy.zeros(handle.shape, handle.dtype),
+            jax.numpy.zeros(rng.shape, rng.dtype),
+        )
+        return (*out, *nothing), (*_broadcast(out_axes, len(out)), None, None)
     if isinstance(fn, VjpFunction) and options.vmap_method == "torch":
-        if not any(a is not None for a in jax.tree_util.tree_leaves(axes[0])):
-            level = tuple(axes[1])  # the cotangents: one array each, so one axis each
+        if not any(a is not None for a in jax.tree_util.tree_leaves(axes[:-1])):
+            level = tuple(axes[-1])  # the cotangents: one array each, so one axis each
             pulled = dataclasses.replace(fn, ct_batch=(*fn.ct_batch, level))
             return torch_call_p.bind(*args, fn=pulled, options=options), 0
     primals, tangents = args if isinstance(fn, JvpFunction) and fn.with_primals else ((), ())

@@ -1,0 +1,158 @@
+# Residuals of a torch call split for reverse mode: torch's autograd graph and RNG state.
+#
+# jax.grad splits a call into its primal half (run now) and a linear half (transposed
+# later into a VJP). torch's saved tensors cannot become XLA arrays, so without help the
+# VJP runs the forward again. Instead the primal half runs with autograd recording and
+# keeps the graph host-side, in GRAPHS, under a handle that travels to the VJP as a JAX
+# residual (an int32 scalar); the VJP pulls back through the kept graph and frees it: one
+# forward and one backward, as in torch. The random-number state from before the forward
+# travels as a residual too (uint8), so that a VJP that must recompute instead (the graph
+# was evicted, the VJP is called twice, batched, or differentiated again) replays the same
+# draws: value and gradient always see the same dropout masks.
+#
+# Under jit XLA owns the input buffers and may reuse them once the forward's callback has
+# returned, so the graph must not keep them: a saved tensor that is (a view of) an input is
+# recorded as "input k, this view", and is rebuilt from the VJP's own inputs (the same
+# values, which JAX passes to the VJP) when the backward needs it.
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+# Kept graphs whose VJP never runs (XLA dropped it, an exception came in between, a forward-
+# only use) must not accumulate: the oldest are evicted, and their VJPs recompute.
+MAX_GRAPHS = 256
+MAX_GRAPH_BYTES = 2 * 2**30
+
+
+class KeptGraph:
+    """One forward's autograd graph: the differentiated leaves, the outputs on it, and the
+    inputs its saved tensors refer to (filled in by the VJP before the backward)."""
+
+    __slots__ = ("leaves", "outputs", "nbytes", "inputs")
+
+    def __init__(self) -> None:
+        self.leaves: list[torch.Tensor] = []
+        self.outputs: list[torch.Tensor] = []
+        self.nbytes = 0
+        self.inputs: list[torch.Tensor] = []
+
+
+class GraphStore:
+    """Kept graphs by handle (a positive int32), bounded in count and bytes; thread-safe."""
+
+    def __init__(self, max_count: int, max_bytes: int):
+        self.max_count, self.max_bytes = max_count, max_bytes
+        self._graphs: collections.OrderedDict[int, KeptGraph] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._next = itertools.count(1)
+
+    def put(self, graph: KeptGraph) -> int:
+        with self._lock:
+            handle = next(self._next) % (2**31 - 1) + 1
+            self._graphs[handle] = graph
+            self._bytes += graph.nbytes
+            while self._graphs and (
+                len(self._graphs) > self.max_count or self._bytes > self.max_bytes
+            ):
+                _, old = self._graphs.popitem(last=False)
+                self._bytes -= old.nbytes
+            return handle if handle in self._graphs else 0
+
+    def take(self, handle: int) -> KeptGraph | None:
+        """The graph kept under `handle`, removed from the store; None if it is gone."""
+        with self._lock:
+            graph = self._graphs.pop(handle, None)
+            if graph is not None:
+                self._bytes -= graph.nbytes
+            return graph
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+
+GRAPHS = GraphStore(MAX_GRAPHS, MAX_GRAPH_BYTES)
+
+
+class _InputView:
+    """A saved tensor that is a view of input k: rebuilt from the VJP's input k."""
+
+    __slots__ = ("k", "size", "stride", "offset", "dtype")
+
+    def __init__(self, k: int, t: torch.Tensor):
+        self.k, self.size, self.stride = k, t.size(), t.stride()
+        self.offset, self.dtype = t.storage_offset(), t.dtype
+
+
+@contextlib.contextmanager
+def recording(graph: KeptGraph, inputs: list[torch.Tensor]) -> Iterator[None]:
+    """Record a forward into `graph`: saved views of `inputs` by reference, their sizes
+    not counted; everything else torch saves counted in graph.nbytes."""
+    where = {t.untyped_storage().data_ptr(): k for k, t in enumerate(inputs) if t.numel()}
+
+    def pack(t: torch.Tensor) -> Any:
+        if not t.numel():
+            return t
+        k = where.get(t.untyped_storage().data_ptr())
+        if k is not None:
+            if t.dtype == inputs[k].dtype and not t.is_conj() and not t.is_neg():
+                return _InputView(k, t)
+            t = t.clone()  # a view as_strided cannot rebuild: keep a copy, not XLA's buffer
+        graph.nbytes += t.numel() * t.element_size()
+        return t
+
+    def unpack(saved: Any) -> torch.Tensor:
+        if isinstance(saved, _InputView):
+            base = graph.inputs[saved.k]
+            return base.as_strided(saved.size, saved.stride, saved.offset)
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def rng_devices(device: torch.device | None) -> list[int]:
+    """The CUDA devices whose generator state travels with the CPU one's."""
+    if device is not None and device.type == "cuda":
+        return [device.index if device.index is not None else torch.cuda.current_device()]
+    return []
+
+
+def rng_state(device: torch.device | None) -> torch.Tensor:
+    """torch's generator state (CPU, and the call's CUDA device) as one uint8 tensor."""
+    parts = [torch.get_rng_state()]
+    parts += [torch.cuda.get_rng_state(d) for d in rng_devices(device)]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def rng_state_size(device: torch.device | None) -> int:
+    return rng_state(device).numel()
+
+
+@contextlib.contextmanager
+def replaying(state: torch.Tensor | None, device: torch.device | None) -> Iterator[None]:
+    """Run with torch's generators set to `state`; restore them afterwards, so that a
+    recomputation draws what the forward drew and leaves the global generators as they
+    were (in total, one forward's draws, as in torch)."""
+    if state is None or not bool(state.any()):  # zeros: no state was kept (a batched call)
+        yield
+        return
+    devices = rng_devices(device)
+    with torch.random.fork_rng(devices=devices):
+        # Inside a torch.func transform, setting generator state must not be intercepted.
+        with torch._C._DisableFuncTorch():
+            cpu = torch.get_rng_state().numel()
+            torch.set_rng_state(state[:cpu].cpu())
+            offset = cpu
+            for d in devices:
+                n = torch.cuda.get_rng_state(d).numel()
+                torch.cuda.set_rng_state(state[offset : offset + n].cpu(), d)
+                offset += n
+        yield
