@@ -17,12 +17,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from torchjax._convert import tree_to_jax
-from torchjax._errors import TorchJaxError
+from torchjax._errors import VariablesError
 from torchjax._to_jax import to_jax
 
-
-class VariablesError(TorchJaxError, ValueError):
-    """`variables` does not match the module's parameters and buffers."""
+__all__ = ["VariablesError", "module_to_jax"]  # VariablesError: importable here as before
 
 
 def _signature(named: dict[str, torch.Tensor]) -> dict[str, tuple]:
