@@ -41,12 +41,15 @@ def _is_fake(t: torch.Tensor) -> bool:
     return is_fake(t)
 
 
-def _is_fake_call(params: Mapping, buffers: Mapping, args: tuple, kwargs: dict) -> bool:
+def _is_fake_call(params: Any, buffers: Any, args: tuple, kwargs: dict) -> bool:
     """Whether forward runs on fake tensors (to_jax's shape inference), not real data."""
-    for group in (params, buffers):
-        for t in group.values():
-            return _is_fake(t)
-    for leaf in _tree.tree_leaves((args, kwargs)):
+    try:  # the common case: the first parameter tells
+        for group in (params, buffers):
+            for t in group.values():
+                return _is_fake(t)
+    except AttributeError:  # not mappings: the variables check will say so
+        pass
+    for leaf in _tree.tree_leaves((params, buffers, args, kwargs)):
         if isinstance(leaf, torch.Tensor):
             return _is_fake(leaf)
     return torch._guards.detect_fake_mode() is not None
