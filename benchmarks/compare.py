@@ -2,8 +2,8 @@
 
 Runs every benchmark's measurement (conversion, to_jax overhead, vmap, grad/jvp, module_to_jax,
 to_torch) and an array-size sweep of f(x) = x * 2 + 1 through each bridge, all in one process,
-and prints
-the tables. With --write it also writes docs/benchmarks.md and docs/benchmark_sweep.png.
+and prints the tables. With --write it also writes docs/benchmarks.md and
+docs/benchmark_sweep.png.
 
 Usage:
   python benchmarks/compare.py                   # measure and print
