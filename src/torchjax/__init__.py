@@ -6,6 +6,7 @@ from torchjax._module import module_to_jax
 from torchjax._primitive import PytreePrimitive
 from torchjax._to_jax import to_jax
 from torchjax._to_torch import to_torch
+from torchjax._torch_module import to_torch_module
 
 __all__ = [
     "PytreePrimitive",
@@ -13,6 +14,7 @@ __all__ = [
     "module_to_jax",
     "to_jax",
     "to_torch",
+    "to_torch_module",
     "tree_to_jax",
     "tree_to_torch",
 ]
