@@ -30,6 +30,7 @@ from torchjax._lowering import callback_call
 from torchjax._primitive import PytreePrimitive
 from torchjax._pytree_types import _ARRAY, _is_operand
 from torchjax._shapes import check_versions, fake_eval, function_name
+from torchjax._torch_outputs import as_jax_tree
 
 _tree = jax.tree_util
 
@@ -67,7 +68,7 @@ class UserFunction:
         return self
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
-        return self.fn(*args, **kwargs)
+        return as_jax_tree(self.fn(*args, **kwargs))
 
     def arg_path(self, path: tuple) -> str:
         # bind's args are (args, kwargs): report paths as the user wrote the call.
@@ -185,7 +186,7 @@ class _CallPlan:
         torch._C._set_grad_enabled(False)  # no autograd graph: JAX does the differentiating
         try:
             if self.direct is not None:
-                out = self.direct(*tensors)
+                out = as_jax_tree(self.direct(*tensors))
             else:
                 out = self.fn(*_tree.tree_unflatten(self.in_tree, self._fill(tensors)))
         except TorchJaxError:
