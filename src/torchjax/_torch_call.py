@@ -41,6 +41,7 @@ from torchjax._shapes import (
     output_struct,
     real_mode,
 )
+from torchjax._torch_outputs import as_jax_tree
 
 _tree = jax.tree_util
 
@@ -82,7 +83,7 @@ class UserFunction:
         return self
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
-        return self.fn(*args, **kwargs)
+        return as_jax_tree(self.fn(*args, **kwargs))
 
     def arg_path(self, path: tuple) -> str:
         # bind's args are (args, kwargs): report paths as the user wrote the call.
@@ -231,7 +232,7 @@ class _CallPlan:
         torch._C._set_grad_enabled(self.grad_mode)
         try:
             if self.direct is not None:
-                out = self.direct(*tensors)
+                out = as_jax_tree(self.direct(*tensors))
             else:
                 out = self.fn(*_tree.tree_unflatten(self.in_tree, self._fill(tensors)))
         except TorchJaxError:
