@@ -51,11 +51,6 @@ class InPlaceMutationError(TorchJaxError, RuntimeError):
     caller's immutable JAX array; clone the input inside the function first."""
 
 
-class TorchCallError(TorchJaxError, RuntimeError):
-    """The wrapped torch function raised on real data; the message carries the original
-    exception's type and text, and the original is chained as ``__cause__``."""
-
-
 class VmapError(TorchJaxError, RuntimeError):
     """``jax.vmap`` of a wrapped torch function failed: ``torch.func.vmap`` could not batch
     it (try ``vmap_method="sequential"``), or an ``"expand_dims"``/``"broadcast_all"``

@@ -104,7 +104,8 @@ class UserFunction:
         """Output types from one run on fake tensors (of the original, if compiled)."""
         target = fake_target(self.fn)
         try:
-            return fake_eval(lambda a, k: target(*a, **k), args, self.name, self.arg_path)
+            call = lambda a, k: as_jax_tree(target(*a, **k))
+            return fake_eval(call, args, self.name, self.arg_path)
         except TorchJaxError:
             raise
         except Exception as e:

@@ -26,7 +26,6 @@ from torchjax._errors import (
     RuleError,
     ShapeInferenceError,
     StaticArgumentError,
-    TorchCallError,
     TorchJaxError,
     VariablesError,
     VmapError,
@@ -42,7 +41,6 @@ __all__ = [
     "RuleError",
     "ShapeInferenceError",
     "StaticArgumentError",
-    "TorchCallError",
     "VariablesError",
     "VmapError",
 ]
