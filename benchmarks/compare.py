@@ -52,6 +52,7 @@ SUITES = {
     "vmap": "`jax.vmap` of a wrapped function",
     "grad": "`jax.grad` and `jax.jvp` through a wrapped function",
     "hessian": "`jax.hessian` through a wrapped function",
+    "train": "A training step, against torch's own",
     "module": "`module_to_jax` overhead",
     "to_torch": "`to_torch` overhead",
 }
