@@ -35,9 +35,21 @@ def _torch_calls(jaxpr: Any) -> list:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "torch_call":
             fns.append((dict(eqn.params["params"])["fn"], eqn))
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in _jaxprs_in_params(eqn.params):
             fns.extend(_torch_calls(sub))
     return fns
+
+
+def _jaxprs_in_params(params: dict) -> list:
+    # jax.extend.core.jaxprs_in_params, which JAX 0.8.0 (the oldest supported) lacks.
+    found = []
+    for value in params.values():
+        for v in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                found.append(v.jaxpr)
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                found.append(v)
+    return found
 
 
 def _of_type(fns: list, name: str) -> list:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from torchjax._batching import vmap_call
+from torchjax._compat import is_functorch_wrapped
 from torchjax._derivative import (
     ZerosLike,
     _autograd_pullback,
@@ -294,7 +295,7 @@ def _plain(t: Any, ndim: int) -> Any:
     it carries a batch axis (vmap_method="broadcast_all"): a batch of handles or RNG
     states has no single graph or generator state to use."""
     if isinstance(t, torch.Tensor) and t.dim() == ndim:
-        if not torch._C._functorch.is_functorch_wrapped_tensor(t):
+        if not is_functorch_wrapped(t):
             return t
     return None
 

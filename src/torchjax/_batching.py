@@ -19,23 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from torchjax._compat import FAST_VMAP
+from torchjax._compat import vmap_add_batch_dim as _add_batch_dim
+from torchjax._compat import vmap_decrement_nesting as _vmap_decrement_nesting
+from torchjax._compat import vmap_increment_nesting as _vmap_increment_nesting
+from torchjax._compat import vmap_lazy_load_decompositions as lazy_load_decompositions
+from torchjax._compat import vmap_remove_batch_dim as _remove_batch_dim
 from torchjax._convert import torch_dtype
 from torchjax._errors import VmapError
 from torchjax._pytree_types import _is_operand
 from torchjax._torch_call import VMAP_RANDOMNESS, DerivedFunction, Options, torch_call_p
-
-try:  # the steps torch.func.vmap is made of; see vmap_call
-    from torch._functorch.predispatch import (
-        _add_batch_dim,
-        _remove_batch_dim,
-        _vmap_decrement_nesting,
-        _vmap_increment_nesting,
-        lazy_load_decompositions,
-    )
-
-    FAST_VMAP = True
-except ImportError:  # pragma: no cover - another torch version; tests force the fallback
-    FAST_VMAP = False
 
 _tree = jax.tree_util
 

@@ -16,10 +16,17 @@ from typing import Any
 import jax
 import numpy as np
 import torch
-from jax._src import config as _jax_config
-from jax._src.lib import _jax  # DLPack both ways without jax.dlpack's per-call overhead
-from torch._subclasses.fake_tensor import is_fake
 
+from torchjax._compat import (
+    ARRAY_TYPES,
+    HOST_ARRAY_TYPES,
+    ArrayImpl,
+    cpu_array_from_tensor,
+    dlpack_export,
+    is_fake,
+)
+from torchjax._compat import jax_config as _jax_config
+from torchjax._compat import tensor_from_capsule as _tensor_from_capsule
 from torchjax._errors import ConversionError
 
 # torch dtype -> numpy/JAX dtype. The one table: every other module asks these helpers.
@@ -53,9 +60,6 @@ _NARROW_64: dict[torch.dtype, torch.dtype] = {
 SUPPORTED_DTYPES = ", ".join(str(d).removeprefix("torch.") for d in _TORCH_TO_NUMPY)
 
 _x64 = _jax_config.enable_x64  # read on every conversion: the state object, not jax.config
-
-# DLPack device types (dlpack.h): what a tensor's __dlpack_device__ reports.
-_DL_CPU, _DL_CUDA = 1, 2
 
 
 def jax_dtype(dtype: torch.dtype) -> np.dtype:
@@ -163,8 +167,7 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value") -> jax.Array:
         if not t.is_contiguous() or t.data_ptr() % 64:
             # XLA aliases only dense, 64-byte aligned memory; anything else is copied once.
             t = t.clone(memory_format=torch.contiguous_format)
-        capsule = torch.utils.dlpack.to_dlpack(t)
-        return _jax.dlpack_managed_tensor_to_buffer(capsule, _jax_cpu_device(), None, None, _DL_CPU)
+        return cpu_array_from_tensor(t, _jax_cpu_device())
     if not t.is_contiguous():
         t = t.contiguous()
     # Off the CPU, jax.dlpack negotiates the stream hand-over; its overhead is small there.
@@ -187,13 +190,10 @@ def _numpy_to_tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-_ArrayImpl = _jax.ArrayImpl
+_ArrayImpl = ArrayImpl
 _SingleDeviceSharding = jax.sharding.SingleDeviceSharding
-# torch.utils.dlpack.from_dlpack(capsule) wraps this in a Python frame and type checks that
-# cost as much again; conversions sit on every eager call and every jitted callback.
-_tensor_from_capsule = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)
 # jaxlib's DLPack export of a single-device array; jax.Array.__dlpack__ adds ~10 µs of checks.
-_EXPORT = getattr(_jax, "buffer_to_dlpack_managed_tensor", None)
+_EXPORT = dlpack_export
 
 
 def array_to_tensor(a: Any, where: str = "value") -> torch.Tensor:
@@ -202,8 +202,8 @@ def array_to_tensor(a: Any, where: str = "value") -> torch.Tensor:
     The tensor aliases the array's buffer: writing to it would change an immutable JAX
     array, so callers must treat it as read-only (to_jax enforces this for torch code).
     """
-    if isinstance(a, np.ndarray):
-        return _numpy_to_tensor(a)
+    if isinstance(a, HOST_ARRAY_TYPES):
+        return _numpy_to_tensor(np.asarray(a))
     if isinstance(a, jax.core.Tracer):
         raise ConversionError(
             f"{where} is a traced JAX value ({a.aval}); it has no data to convert. Call torch "
@@ -230,7 +230,7 @@ def array_to_tensor(a: Any, where: str = "value") -> torch.Tensor:
 
 def is_array(x: Any) -> bool:
     """Whether a pytree leaf is array data (as opposed to a static value)."""
-    return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
+    return isinstance(x, ARRAY_TYPES)
 
 
 def _leaf_path(path: tuple) -> str:
@@ -297,7 +297,7 @@ def tree_to_torch(tree: Any) -> Any:
     """
 
     def convert(path: tuple, x: Any) -> Any:
-        if isinstance(x, jax.Array | np.ndarray | jax.core.Tracer):
+        if isinstance(x, ARRAY_TYPES):
             return array_to_tensor(x, _leaf_path(path))
         return x
 

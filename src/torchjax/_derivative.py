@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from torchjax._batching import as_tensor
+from torchjax._compat import peek_interpreter_stack
 from torchjax._convert import torch_dtype
 from torchjax._errors import AutodiffError
 from torchjax._torch_call import DerivedFunction
@@ -191,7 +192,7 @@ def _autograd_pullbacks(g: Any, x: list, flat_cts: tuple) -> tuple:
 def _outermost(args: Any) -> bool:
     """Whether nothing outside this call will differentiate it: no torch.func transform is
     active, and no tensor among its arguments is on an autograd tape."""
-    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    peek = peek_interpreter_stack
     if peek is None or peek() is not None:
         return False
     return not any(map(_requires_grad, _tree.tree_leaves(args)))

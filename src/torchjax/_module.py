@@ -16,11 +16,17 @@ from typing import Any
 import jax
 import numpy as np
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
+from torchjax._compat import (
+    compiled_original,
+    detect_fake_mode,
+    is_fake,
+    is_functorch_wrapped,
+    tensor_version,
+)
 from torchjax._convert import tree_to_jax
 from torchjax._errors import VariablesError
-from torchjax._module_state import ModuleState, compiled_original
+from torchjax._module_state import ModuleState
 from torchjax._to_jax import to_jax
 
 __all__ = ["VariablesError", "module_to_jax"]  # VariablesError: importable here as before
@@ -36,7 +42,7 @@ _NOT_VARIABLES = (
 
 def _is_fake(t: torch.Tensor) -> bool:
     # A plain tensor outside torch.func transforms is real: skip is_fake's slower checks.
-    if type(t) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(t):
+    if type(t) is torch.Tensor and not is_functorch_wrapped(t):
         return False
     return is_fake(t)
 
@@ -52,7 +58,7 @@ def _is_fake_call(params: Any, buffers: Any, args: tuple, kwargs: dict) -> bool:
     for leaf in _tree.tree_leaves((params, buffers, args, kwargs)):
         if isinstance(leaf, torch.Tensor):
             return _is_fake(leaf)
-    return torch._guards.detect_fake_mode() is not None
+    return detect_fake_mode() is not None
 
 
 class _Apply:
@@ -87,7 +93,7 @@ class _Apply:
                 state.check(name, params, buffers)
                 module = state.module
                 buffers = {k: v.clone() for k, v in buffers.items()}  # free on fakes
-                versions = [t._version for t in buffers.values()]
+                versions = [tensor_version(t) for t in buffers.values()]
             else:
                 module = self.real_module
                 # Under jit the mode can change after tracing: copy unless it is the one
@@ -102,7 +108,9 @@ class _Apply:
                         torch.manual_seed(int(seed.item()))
                     out = state.call(module, args, kwargs, params, buffers, mutable)
             if fake:
-                moved = [t._version != v for t, v in zip(buffers.values(), versions, strict=True)]
+                moved = [
+                    tensor_version(t) != v for t, v in zip(buffers.values(), versions, strict=True)
+                ]
                 writes[0] = bool(writes[0]) or any(moved)
             return out
 

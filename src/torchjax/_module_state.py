@@ -7,29 +7,19 @@
 # The module's own tensors are put back afterwards, whatever happened.
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from torchjax._compat import module_buffers, module_parameters
 from torchjax._errors import VariablesError
 
 GROUPS = ("params", "buffers")
 
 
-def compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
-    """The module inside a ``torch.compile``'d one (an OptimizedModule), or None."""
-    # Only a program that imported torch._dynamo can hold an OptimizedModule: looking it up
-    # in sys.modules avoids importing dynamo (seconds) for every other module.
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
-        return module._orig_mod
-    return None
-
-
-def _slots(module: torch.nn.Module, named: Any, attr: str) -> list[tuple[dict, str, str]]:
+def _slots(module: torch.nn.Module, named: Any, slot_dict: Any) -> list[tuple[dict, str, str]]:
     """(owning dict, key, canonical name) for every place a tensor of `named` sits.
 
     `named` is named_parameters or named_buffers; a tied tensor's aliases (several places,
@@ -39,7 +29,7 @@ def _slots(module: torch.nn.Module, named: Any, attr: str) -> list[tuple[dict, s
     slots = []
     for name, t in named(remove_duplicate=False):
         owner, _, key = name.rpartition(".")
-        slots.append((getattr(module.get_submodule(owner), attr), key, canonical[id(t)]))
+        slots.append((slot_dict(module.get_submodule(owner)), key, canonical[id(t)]))
     return slots
 
 
@@ -54,8 +44,8 @@ class ModuleState:
         self.module = module
         self.params = dict(module.named_parameters())
         self.buffers = dict(module.named_buffers())
-        self.param_slots = _slots(module, module.named_parameters, "_parameters")
-        self.buffer_slots = _slots(module, module.named_buffers, "_buffers")
+        self.param_slots = _slots(module, module.named_parameters, module_parameters)
+        self.buffer_slots = _slots(module, module.named_buffers, module_buffers)
         self.slots = self.param_slots + self.buffer_slots
         # One slot per buffer name, to read the buffers back after a call.
         first: dict[str, tuple[dict, str]] = {}

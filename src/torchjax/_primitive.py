@@ -19,9 +19,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core, dispatch
-from jax._src.interpreters import ad, batching, mlir
 
+from torchjax._compat import ad, batching, core, dispatch, mlir, varying_manual_axes
 from torchjax._errors import OutputMismatchError, RuleError
 from torchjax._pytree_types import (
     _ARRAY,
@@ -314,7 +313,7 @@ class PytreePrimitive:
         out = self._abstract_eval_rule(*args, **dict(user_params))
         leaves, out_tree = _tree.tree_flatten(out)
         # bind made the operands' varying manual axes agree: any one of them speaks for all.
-        manual = next((a for a in avals if getattr(a, "mat", None) and a.mat.varying), None)
+        manual = next((a for a in avals if varying_manual_axes(a)), None)
         for path, leaf in _tree.tree_flatten_with_path(out)[0]:
             if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
                 raise OutputMismatchError(

@@ -7,8 +7,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core
 
+from torchjax._compat import ARRAY_TYPES, at_top_level, core, manual_axes_of
 from torchjax._errors import OutputMismatchError, StaticArgumentError
 
 _tree = jax.tree_util
@@ -91,7 +91,7 @@ class Signature:
         return f"Signature({self.out_tree}, {[a.str_short() for a in self.out_avals]})"
 
 
-_OPERAND_TYPES = (jax.Array, np.ndarray, core.Tracer)  # a tuple: isinstance's fastest form
+_OPERAND_TYPES = ARRAY_TYPES  # a tuple: isinstance's fastest form
 
 
 def _is_operand(x: Any) -> bool:
@@ -136,7 +136,7 @@ def _out_aval(leaf: Any, manual: core.ShapedArray | None) -> core.ShapedArray:
     if manual is None:
         return core.ShapedArray(shape, dtype)
     sharding = jax.sharding.NamedSharding(manual.sharding.mesh, jax.P(*([None] * len(shape))))
-    return core.ShapedArray(shape, dtype, sharding=sharding, manual_axis_type=manual.mat)
+    return core.ShapedArray(shape, dtype, sharding=sharding, **manual_axes_of(manual))
 
 
 def _flatten_checked(name: str, out: Any, out_tree: Any, out_avals: tuple, rule: str) -> list:
@@ -168,7 +168,7 @@ def _eager_type(x: Any) -> tuple:
 
 def _at_top_level() -> bool:
     """Whether no JAX transformation or trace is active (binding would just evaluate)."""
-    return type(core.trace_ctx.trace) is core.EvalTrace
+    return at_top_level()
 
 
 def _rebuild(in_tree, statics: tuple, operands, fill: Any = _ARRAY) -> tuple:

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from torchjax._compat import DisableFuncTorch
+
 # Kept graphs whose VJP never runs (XLA dropped it, an exception came in between, a forward-
 # only use) must not accumulate: the oldest are evicted, and their VJPs recompute.
 MAX_GRAPHS = 256
@@ -156,7 +158,7 @@ def replaying(state: torch.Tensor | None, device: torch.device | None) -> Iterat
     devices = rng_devices(device)
     with torch.random.fork_rng(devices=devices):
         # Inside a torch.func transform, setting generator state must not be intercepted.
-        with torch._C._DisableFuncTorch():
+        with DisableFuncTorch():
             cpu = torch.get_rng_state().numel()
             torch.set_rng_state(state[:cpu].cpu())
             offset = cpu

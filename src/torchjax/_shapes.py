@@ -13,9 +13,14 @@ from typing import Any
 import jax
 import numpy as np
 import torch
-from torch._subclasses import fake_tensor
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from torchjax._compat import (
+    FAKE_LIMIT_ERRORS,
+    FakeTensorMode,
+    compiled_function_original,
+    tensor_version,
+    unset_fake_temporarily,
+)
 from torchjax._convert import canonical_jax_dtype, torch_dtype
 from torchjax._errors import InPlaceMutationError, OutputMismatchError
 
@@ -38,18 +43,7 @@ fake_runs = _FakeDepth()
 
 # Exceptions that are the fake-tensor machinery's, not the function's: a real run of the
 # same function on real data can succeed. Anything else a fake run raises is the user's own.
-_FAKE_LIMITS = tuple(
-    getattr(fake_tensor, name)
-    for name in (
-        "DataDependentOutputException",
-        "DynamicOutputShapeException",
-        "UnsupportedOperatorException",
-        "UnsupportedFakeTensorException",
-        "FakeTensorDeviceMismatchError",
-        "MetadataMismatchError",
-    )
-    if hasattr(fake_tensor, name)
-)
+_FAKE_LIMITS = FAKE_LIMIT_ERRORS
 _FAKE_MESSAGES = (
     "data-dependent",
     "data dependent",
@@ -95,7 +89,7 @@ def _path_of(path: tuple) -> str:
 def check_versions(tensors: list, versions: list, paths: list, name: str, how: str) -> None:
     """Raise InPlaceMutationError naming the first input whose version counter moved."""
     for t, v, path in zip(tensors, versions, paths, strict=True):
-        if t._version != v:
+        if tensor_version(t) != v:
             raise InPlaceMutationError(
                 INPLACE_MESSAGE.format(name=name, path=path, how=how, short=name.rsplit(".", 1)[-1])
             )
@@ -126,7 +120,7 @@ def is_fake_limit(error: BaseException) -> bool:
 
 def real_mode() -> Any:
     """A context in which torch runs for real even inside an enclosing fake run."""
-    return fake_tensor.unset_fake_temporarily()
+    return unset_fake_temporarily()
 
 
 def fake_target(fn: Any) -> Any:
@@ -135,11 +129,8 @@ def fake_target(fn: Any) -> Any:
     torch.compile's own frames cannot run under a FakeTensorMode of ours (it crashes or
     mixes devices), but the code it compiled computes the same types.
     """
-    orig = getattr(fn, "_torchdynamo_orig_callable", None)
-    if orig is not None:
-        return orig
-    mod = getattr(fn, "_orig_mod", None)
-    return mod if isinstance(mod, torch.nn.Module) else fn
+    orig = compiled_function_original(fn)
+    return fn if orig is None else orig
 
 
 def fake_eval(fn: Any, args: tuple, name: str, describe: Any = None) -> Any:
@@ -170,7 +161,7 @@ def fake_eval(fn: Any, args: tuple, name: str, describe: Any = None) -> Any:
                 values.append(t)
             else:
                 values.append(leaf)
-        versions = [t._version for t in fakes]
+        versions = [tensor_version(t) for t in fakes]
         out = fn(*_tree.tree_unflatten(tree, values))
         check_versions(fakes, versions, paths, name, "seen while inferring output shapes")
     return _tree.tree_map_with_path(lambda p, x: output_struct(p, x, name), out)

@@ -22,11 +22,11 @@ import dataclasses
 from typing import Any
 
 import jax
-from jax._src import core
-from jax._src.interpreters import partial_eval as pe
 
 from torchjax import _batching
 from torchjax._autodiff import JvpFunction, TapedFunction, VjpFunction
+from torchjax._compat import core
+from torchjax._compat import partial_eval as pe
 from torchjax._pytree_types import _ARRAY, _rebuild
 from torchjax._torch_call import torch_call_p
 

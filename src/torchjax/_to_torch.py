@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 import torch
-import torch.autograd.forward_ad as _forward_ad
 
+from torchjax._compat import forward_ad_active, functorch_transforms_active
 from torchjax._convert import canonical_jax_dtype
 from torchjax._errors import ConversionError, JaxOutputError, StaticArgumentError
 from torchjax._jax_spec import _Spec, run_spec
@@ -142,7 +142,7 @@ class _JaxFunction(torch.autograd.Function):
 
 def _needs_autograd(tensors: list[torch.Tensor]) -> bool:
     """Whether a call must go through autograd.Function (otherwise run the spec directly)."""
-    if torch._C._are_functorch_transforms_active() or _forward_ad._current_level >= 0:
+    if functorch_transforms_active() or forward_ad_active():
         return True
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 

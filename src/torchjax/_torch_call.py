@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import torch
 
+from torchjax._compat import is_zerotensor, set_grad_enabled, tensor_version
 from torchjax._convert import array_to_tensor, canonical_torch_dtype, tensor_to_jax, torch_dtype
 from torchjax._errors import (
     ConversionError,
@@ -228,9 +229,9 @@ class _CallPlan:
 
     def invoke(self, tensors: list[torch.Tensor]) -> Any:
         """fn on `tensors`, as it returns; raises as __call__ does, before any output check."""
-        versions = [t._version for t in tensors]
+        versions = [tensor_version(t) for t in tensors]
         grad_was_enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(self.grad_mode)
+        set_grad_enabled(self.grad_mode)
         try:
             if self.direct is not None:
                 out = as_jax_tree(self.direct(*tensors))
@@ -244,8 +245,8 @@ class _CallPlan:
                 raise
             raise err from e
         finally:
-            torch._C._set_grad_enabled(grad_was_enabled)
-        if versions != [t._version for t in tensors]:
+            set_grad_enabled(grad_was_enabled)
+        if versions != [tensor_version(t) for t in tensors]:
             self._raise_mutated(tensors, versions)
         return out
 
@@ -327,7 +328,7 @@ def _plain(value: Any) -> Any:
         return value
     if value.requires_grad:
         value = value.detach()
-    if value._is_zerotensor():
+    if is_zerotensor(value):
         value = torch.zeros(value.shape, dtype=value.dtype, device=value.device)
     return value
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import torch
 
+from torchjax._compat import module_buffers, module_children, module_parameters
 from torchjax._convert import tree_to_torch
 from torchjax._errors import ConversionError
 from torchjax._to_torch import to_torch
@@ -96,20 +97,20 @@ class JaxModule(torch.nn.Module):
             *parents, name = _names(path)
             owner: torch.nn.Module = self
             for i, part in enumerate(parents):
-                child = owner._modules.get(part)
+                child = module_children(owner).get(part)
                 if child is None:
                     _check_free(owner, part, path[:i])
-                    child = owner._modules[part] = _Node()
+                    child = module_children(owner)[part] = _Node()
                 owner = child
             # A copy that torch owns: optimizers update it in place.
             tensor = tree_to_torch(leaf).detach().clone(memory_format=torch.contiguous_format)
             _check_free(owner, name, path[:-1])
             if tensor.is_floating_point() or tensor.is_complex():
-                owner._parameters[name] = torch.nn.Parameter(tensor)
-                self._slots.append((owner._parameters, name))
+                module_parameters(owner)[name] = torch.nn.Parameter(tensor)
+                self._slots.append((module_parameters(owner), name))
             else:  # integers and booleans cannot require grad: a (saved) buffer
-                owner._buffers[name] = tensor
-                self._slots.append((owner._buffers, name))
+                module_buffers(owner)[name] = tensor
+                self._slots.append((module_buffers(owner), name))
 
     def param_tree(self) -> Any:
         """The current parameters (tensors) as a pytree shaped like the params given."""

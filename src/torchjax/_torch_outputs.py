@@ -1,6 +1,6 @@
 # Outputs of torch functions as JAX pytrees.
 #
-# Torch code returns containers that torch's pytree registry (torch.utils._pytree) knows
+# Torch code returns containers that torch's own pytree registry knows
 # but JAX's does not: the structseqs of torch.return_types (`torch.linalg.slogdet(x)`,
 # `x.max(dim=0)`) and registered dict-likes such as Hugging Face's ModelOutput. JAX would
 # take each for one opaque leaf. `as_jax_tree` rebuilds them as containers JAX knows, the
@@ -16,7 +16,8 @@ from typing import Any
 
 import jax
 import torch
-import torch.utils._pytree as torch_pytree
+
+from torchjax._compat import torch_pytree
 
 _tree = jax.tree_util
 

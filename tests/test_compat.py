@@ -1,0 +1,280 @@
+# The private JAX, jaxlib and torch names torchjax uses: every one is listed here and must
+# exist in the installed versions, so an upgrade that removes one fails here, by name. They
+# are all looked up in src/torchjax/_compat.py and nowhere else; where a public API can do a
+# name's job, the fallback is exercised here too (it must cost speed, not function).
+#
+# Nothing is imported from torchjax at module level: if a required name is missing, importing
+# torchjax raises, and the per-name tests below must still run and name it.
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "torchjax"
+
+# Alternatives (one per JAX or torch generation) are joined by " | "; one of them must exist.
+# "()" after a part means an instance of it; the two torch.compile names are checked below.
+PRIVATE_NAMES = [
+    "jax._src.core.trace_ctx",
+    "jax._src.core.EvalTrace",
+    "jax._src.core.auto_insert_reshard | jax._src.core.standard_insert_pvary",
+    "jax._src.core.ShapedArray.mat | jax._src.core.ShapedArray.vma",
+    "jax.extend.core.set_current_trace | jax._src.core.set_current_trace",
+    "jax._src.dispatch.apply_primitive",
+    "jax._src.literals.TypedNdArray",
+    "jax.interpreters.ad.primitive_jvps | jax._src.interpreters.ad.primitive_jvps",
+    "jax.interpreters.ad.primitive_transposes | jax._src.interpreters.ad.primitive_transposes",
+    "jax.interpreters.ad.Zero | jax._src.interpreters.ad.Zero",
+    "jax.interpreters.ad.is_undefined_primal | jax._src.interpreters.ad.is_undefined_primal",
+    "jax.interpreters.batching.primitive_batchers"
+    " | jax._src.interpreters.batching.primitive_batchers",
+    "jax.interpreters.mlir.register_lowering | jax._src.interpreters.mlir.register_lowering",
+    "jax.interpreters.mlir.lower_fun | jax._src.interpreters.mlir.lower_fun",
+    "jax.interpreters.partial_eval.custom_partial_eval_rules"
+    " | jax._src.interpreters.partial_eval.custom_partial_eval_rules",
+    "jax.interpreters.partial_eval.partial_eval_jaxpr_custom_rules"
+    " | jax._src.interpreters.partial_eval.partial_eval_jaxpr_custom_rules",
+    "jax._src.interpreters.partial_eval.ensure_enum",
+    "jax._src.interpreters.partial_eval.RecomputeType",
+    "jax._src.config.enable_x64",
+    "jax._src.lib._jax.dlpack_managed_tensor_to_buffer",
+    "jax._src.lib._jax.buffer_to_dlpack_managed_tensor",
+    "jax._src.lib._jax.ArrayImpl",
+    "torch._C._from_dlpack",
+    "torch._C._set_grad_enabled",
+    "torch.Tensor._version",
+    "torch.Tensor._is_zerotensor",
+    "torch._C._functorch.is_functorch_wrapped_tensor",
+    "torch._C._are_functorch_transforms_active",
+    "torch._C._functorch.peek_interpreter_stack",
+    "torch.autograd.forward_ad._current_level",
+    "torch._C._DisableFuncTorch",
+    "torch._functorch.predispatch._add_batch_dim",
+    "torch._functorch.predispatch._remove_batch_dim",
+    "torch._functorch.predispatch._vmap_increment_nesting",
+    "torch._functorch.predispatch._vmap_decrement_nesting",
+    "torch._functorch.predispatch.lazy_load_decompositions",
+    "torch._subclasses.fake_tensor",
+    "torch._subclasses.fake_tensor.FakeTensorMode",
+    "torch._subclasses.fake_tensor.is_fake",
+    "torch._subclasses.fake_tensor.unset_fake_temporarily",
+    "torch._guards.detect_fake_mode",
+    "torch.utils._pytree",
+    "torch.utils._pytree.SUPPORTED_NODES",
+    "torch.utils._pytree.is_structseq_class",
+    "torch.utils._pytree.MappingKey",
+    "torch.utils._pytree.GetAttrKey",
+    "torch._dynamo.eval_frame.OptimizedModule",
+    "torch._dynamo.eval_frame.OptimizedModule()._orig_mod",
+    "torch.compile(function)._torchdynamo_orig_callable",
+    "torch.nn.Module()._parameters",
+    "torch.nn.Module()._buffers",
+    "torch.nn.Module()._modules",
+]
+
+
+def _exists(path: str) -> bool:
+    """Whether a dotted path names something (``()``: an instance), without deprecation."""
+    if path == "torch._dynamo.eval_frame.OptimizedModule()._orig_mod":
+        linear = torch.nn.Linear(1, 1)
+        return torch.compile(linear)._orig_mod is linear
+    if path == "torch.compile(function)._torchdynamo_orig_callable":
+
+        def f(x):
+            return x
+
+        return getattr(torch.compile(f), "_torchdynamo_orig_callable", None) is f
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        if any("()" in p for p in parts[:i]):
+            continue
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            try:
+                for part in parts[i:]:
+                    obj = getattr(obj, part.removesuffix("()"))
+                    obj = obj() if part.endswith("()") else obj
+            except (AttributeError, DeprecationWarning):
+                return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("name", PRIVATE_NAMES)
+def test_private_name_exists_in_installed_versions(name):
+    versions = f"jax {jax.__version__}, torch {torch.__version__}"
+    assert any(_exists(p) for p in name.split(" | ")), f"{name} is missing in {versions}"
+
+
+def test_the_list_is_compat_registry():
+    from torchjax import _compat
+
+    assert sorted(PRIVATE_NAMES) == sorted(_compat.PRIVATE_NAMES)
+    assert _compat.MISSING == []  # its own lookups agree: no fallback is in use here
+
+
+# Private names written outside _compat.py: module paths and attributes of other libraries.
+_PRIVATE_TEXT = re.compile(r"_src|torch\._|torch\.utils\._|jaxlib\.")
+_PRIVATE_ATTRS = {
+    "_version",
+    "_is_zerotensor",
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_orig_mod",
+    "_torchdynamo_orig_callable",
+    "_current_level",
+    "_C",
+    "_functorch",
+    "_jax",
+}
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p for p in SRC.glob("*.py") if p.name != "_compat.py"), ids=lambda p: p.name
+)
+def test_private_names_appear_only_in_compat(path):
+    text = path.read_text()
+    lines = [f"{i}: {line}" for i, line in enumerate(text.splitlines(), 1)]
+    named = [ln for ln in lines if _PRIVATE_TEXT.search(ln)]
+    assert not named, f"{path.name}: route these through torchjax._compat: {named}"
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Attribute) and node.attr in _PRIVATE_ATTRS:
+            found.append(f"{node.lineno}: .{node.attr}")
+        if isinstance(node, ast.Constant) and node.value in _PRIVATE_ATTRS:
+            found.append(f"{node.lineno}: {node.value!r}")  # getattr(x, "_version")
+    assert not found, f"{path.name}: route these through torchjax._compat: {found}"
+
+
+def test_dlpack_fast_paths_are_in_use_and_zero_copy():
+    from torchjax import _compat
+    from torchjax._convert import array_to_tensor, tensor_to_jax
+
+    t = torch.arange(16.0)
+    a = tensor_to_jax(t)
+    assert _compat.cpu_array_from_tensor.forms, "jaxlib's DLPack import fell back to jax.dlpack"
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+    assert type(a) is _compat.ArrayImpl and _compat.dlpack_export is not None
+    assert array_to_tensor(a).data_ptr() == t.data_ptr()
+
+
+# -- fallbacks: each must give the same results as the fast path ----------------------------
+
+
+def test_dlpack_import_fallback_is_zero_copy():
+    from torchjax import _compat
+
+    fallback = _compat._CpuImport()
+    fallback.forms = []  # as where jaxlib's function is missing or takes none of the forms
+    t = torch.arange(16.0)
+    a = fallback(t, jax.devices("cpu")[0])
+    np.testing.assert_array_equal(np.asarray(a), t.numpy())
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+
+
+def test_dlpack_import_tries_older_signatures():
+    from torchjax import _compat
+
+    calls = []
+
+    def only_three_args(capsule, device, stream):  # jaxlib <= 0.8.0's signature
+        calls.append(stream)
+        return jax.dlpack.from_dlpack(torch.utils.dlpack.from_dlpack(capsule), device=device)
+
+    def strict(*args):
+        if len(args) != 3:
+            raise TypeError("dlpack_managed_tensor_to_buffer(): incompatible function arguments")
+        return only_three_args(*args)
+
+    convert = _compat._CpuImport()
+    original = _compat._dlpack_import
+    _compat._dlpack_import = strict
+    try:
+        out = convert(torch.ones(3), jax.devices("cpu")[0])
+    finally:
+        _compat._dlpack_import = original
+    np.testing.assert_array_equal(np.asarray(out), np.ones(3))
+    assert calls == [None] and convert.forms == [(None,)]
+
+
+def test_eager_calls_without_trace_context(monkeypatch):
+    import torchjax
+    from torchjax import _pytree_types
+
+    f = torchjax.to_jax(lambda x: torch.sin(x) * 2)
+    x = jnp.linspace(0.0, 1.0, 5)
+    expected = f(x)
+    monkeypatch.setattr(_pytree_types, "at_top_level", lambda: False)  # every call binds
+    np.testing.assert_allclose(f(x + 0), expected)
+    np.testing.assert_allclose(jax.grad(lambda x: f(x).sum())(x), 2 * np.cos(x), rtol=1e-6)
+
+
+def test_apply_primitive_fallback_runs_the_lowering(monkeypatch):
+    from torchjax import PytreePrimitive, _compat
+
+    p = PytreePrimitive("lowered_only")
+    p.def_abstract_eval(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype))
+    p.def_lowering(lambda x: x * 3)
+    monkeypatch.setattr(_compat.dispatch, "apply_primitive", _compat._jit_apply_primitive)
+    np.testing.assert_allclose(p.bind(jnp.arange(3.0)), [0.0, 3.0, 6.0])
+
+
+def test_public_x64_flag_reads_the_same_state():
+    from torchjax import _compat
+
+    public = _compat._PublicX64()
+    assert public.value == _compat.jax_config.enable_x64.value == jax.config.jax_enable_x64
+    with jax.enable_x64(not public.value):
+        assert public.value == _compat.jax_config.enable_x64.value
+
+
+def test_to_torch_without_functorch_state(monkeypatch):
+    import torchjax
+    from torchjax import _to_torch
+
+    # As if torch lacked the functorch and forward-AD probes: every call is autograd.Function.
+    monkeypatch.setattr(_to_torch, "functorch_transforms_active", lambda: True)
+    f = torchjax.to_torch(lambda x: jnp.sin(x) * 2)
+    x = torch.linspace(0.0, 1.0, 5, requires_grad=True)
+    f(x).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * torch.cos(x.detach()))
+    torch.testing.assert_close(torch.func.vmap(f)(x.detach()[:, None]), 2 * torch.sin(x[:, None]))
+
+
+def test_grad_mode_setter_fallback():
+    was = torch.is_grad_enabled()
+    try:
+        torch.set_grad_enabled(False)  # the fallback, called as a function
+        assert not torch.is_grad_enabled()
+    finally:
+        torch.set_grad_enabled(was)
+
+
+def test_a_missing_required_name_fails_the_import_by_name():
+    code = (
+        "import torch\n"
+        "del torch._C._DisableFuncTorch\n"
+        "try:\n"
+        "    import torchjax\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "torch._C._DisableFuncTorch" in out.stdout and "docs/install.md" in out.stdout
