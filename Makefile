@@ -1,10 +1,12 @@
 # Two entry points: `make demo` and `make test`. Both create .venv on first use.
+# `make test-matrix` runs the core tests on the oldest and newest supported versions, each in
+# a throwaway venv outside the repo (tools/matrix.py, docs/install.md).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-matrix lint bench clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +24,9 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+test-matrix:
+	$(PYTHON) tools/matrix.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
