@@ -83,7 +83,7 @@ NEWEST = ("jax>=0.12,<0.13", "jaxlib>=0.12,<0.13", "torch>=2.15,<2.16")
 
 CONFIGS = (
     # pyproject's lower bounds, exactly. JAX 0.11+ needs Python 3.12, so 3.11 ends at 0.10.
-    Config("oldest", "3.11", ("jax==0.8.0", "jaxlib==0.8.0", "torch==2.13.0")),
+    Config("oldest", "3.11", ("jax==0.8.0", "jaxlib==0.8.0", "torch==2.4.1")),
     Config("py3.12-newest", "3.12", NEWEST),
     Config("py3.13-newest", "3.13", NEWEST),
 )

@@ -390,10 +390,12 @@ def forward_ad_active() -> bool:
 # torch.func transform must not be intercepted by it).
 DisableFuncTorch = _private("torch._C._DisableFuncTorch")
 
-# The steps torch.func.vmap is made of, called without its Python wrapper (_batching.py).
+# The steps torch.func.vmap is made of, called without its Python wrapper (_batching.py);
+# torch 2.5 moved them to predispatch.
 _VMAP_STEPS = {
     name: _private(
         f"torch._functorch.predispatch.{name}",
+        f"torch._functorch.vmap.{name}",
         fallback="torch.func.vmap itself (tens of µs more per batched call)",
     )
     for name in (
@@ -435,8 +437,24 @@ FAKE_LIMIT_ERRORS = tuple(
 
 # torch's pytree registry: containers torch knows and JAX does not (_torch_outputs.py).
 torch_pytree = _private("torch.utils._pytree")
-for _name in ("SUPPORTED_NODES", "is_structseq_class", "MappingKey", "GetAttrKey"):
+for _name in ("SUPPORTED_NODES", "MappingKey", "GetAttrKey"):
     _private(f"torch.utils._pytree.{_name}")
+
+
+def _is_structseq_class(cls: type) -> bool:
+    # A PyStructSequence type (torch.return_types): a direct tuple subclass with its counts.
+    return (
+        isinstance(cls, type)
+        and cls.__bases__ == (tuple,)
+        and isinstance(getattr(cls, "n_fields", None), int)
+        and isinstance(getattr(cls, "n_sequence_fields", None), int)
+    )
+
+
+is_structseq_class = _or(
+    _private("torch.utils._pytree.is_structseq_class", fallback="torchjax's copy of the same test"),
+    _is_structseq_class,
+)
 
 # torch.compile: the original module or function inside a compiled one. Looking these up
 # would import torch._dynamo (seconds); the test does.

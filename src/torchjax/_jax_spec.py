@@ -174,8 +174,10 @@ def _jax_call_op() -> Any:
     """The `torchjax::jax_call` custom op, registered on first use (not at import)."""
     global _op
     if _op is None:
+        # The schema spelled out: torch 2.4 cannot read it from string annotations.
+        schema = "(Tensor[] tensors, int spec_id) -> Tensor[]"
 
-        @torch.library.custom_op("torchjax::jax_call", mutates_args=())
+        @torch.library.custom_op("torchjax::jax_call", mutates_args=(), schema=schema)
         def jax_call(tensors: list[torch.Tensor], spec_id: int) -> list[torch.Tensor]:
             return list(_OP_SPECS[spec_id].run(tuple(tensors)))
 

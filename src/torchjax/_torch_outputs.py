@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import torch
 
-from torchjax._compat import torch_pytree
+from torchjax._compat import is_structseq_class, torch_pytree
 
 _tree = jax.tree_util
 
@@ -54,7 +54,7 @@ def _convert(x: Any) -> Any:
     node = torch_pytree.SUPPORTED_NODES.get(t)
     if node is None or not _is_jax_leaf(x):
         return x  # JAX knows it, or nobody does (the output checks will name it)
-    if torch_pytree.is_structseq_class(t):
+    if is_structseq_class(t):
         return _namedtuple(t)(*(_convert(v) for v in x))
     if node.flatten_with_keys_fn is not None:
         entries, _ = node.flatten_with_keys_fn(x)
