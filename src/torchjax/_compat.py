@@ -124,11 +124,12 @@ else:
 
 
 # Inside shard_map, operands that vary over different manual mesh axes must be cast to vary
-# over all of them before a bind (JAX's own primitives do it). Renamed in JAX 0.9.
+# over all of them before a bind (JAX's own primitives do it). JAX 0.8 called it
+# standard_insert_pvary.
 _auto_insert_reshard = _private(
     "jax._src.core.auto_insert_reshard",
     "jax._src.core.standard_insert_pvary",
-    fallback="none under shard_map with operands varying over different manual axes",
+    fallback="under shard_map, calls whose operands vary over different manual axes fail",
 )
 
 
@@ -136,8 +137,8 @@ def _no_reshard(*operands: Any) -> Any:
     return operands
 
 
-# How an aval records the manual mesh axes it varies over: `mat` (a ManualAxisType with
-# `.varying`) since JAX 0.9, `vma` (a frozenset) before.
+# How an aval records the manual mesh axes it varies over: `mat` (with `.varying`) in JAX
+# 0.10, `vma` (a frozenset) in JAX 0.8.
 _private(
     "jax._src.core.ShapedArray.mat",
     "jax._src.core.ShapedArray.vma",
@@ -176,7 +177,7 @@ _apply_primitive = _private(
 
 
 # JAX 0.8 passes some constants to rules as a TypedNdArray, a numpy array that is not an
-# np.ndarray (from JAX 0.9 on it is one). Each counts as array data wherever it may show.
+# np.ndarray (by JAX 0.10 it is one). Each counts as array data wherever it may show.
 _typed_ndarray = _private(
     "jax._src.literals.TypedNdArray",
     fallback="none needed: JAX versions without it pass np.ndarray constants",
@@ -292,9 +293,9 @@ _DL_CPU = 1  # DLPack's kDLCPU (dlpack.h)
 class _CpuImport:
     """jaxlib's DLPack import of CPU tensors, in whichever signature this jaxlib has.
 
-    ``(capsule, device, stream)`` until jaxlib 0.8, then ``copy`` and (0.9) ``dl_device_type``
-    were added. Which form works is found on the first call (not at import: that would start
-    JAX's backends) and kept; with none, jax.dlpack.from_dlpack does the job.
+    ``(capsule, device, stream)`` in jaxlib 0.8.0, ``copy`` added by 0.8.2, and
+    ``dl_device_type`` by 0.10. Which form works is found on the first call (not at import:
+    that would start JAX's backends) and kept; with none, jax.dlpack.from_dlpack does it.
     """
 
     def __init__(self) -> None:
@@ -348,8 +349,8 @@ is_zerotensor = operator.methodcaller("_is_zerotensor")
 
 
 # functorch's interpreter stack: which torch.func transforms are active, and whether a
-# tensor is one of their wrappers.
-_is_wrapped = _private("torch._C._functorch.is_functorch_wrapped_tensor")
+# tensor is one of their wrappers (batched or grad-tracking).
+is_functorch_wrapped = _private("torch._C._functorch.is_functorch_wrapped_tensor")
 _transforms_active = _private(
     "torch._C._are_functorch_transforms_active",
     fallback="torch calls from to_torch always go through autograd.Function (slower)",
@@ -362,11 +363,6 @@ peek_interpreter_stack = _or(
     ),
     None,
 )
-
-
-def is_functorch_wrapped(t: torch.Tensor) -> bool:
-    """Whether `t` is a torch.func transform's wrapper (batched or grad-tracking)."""
-    return _is_wrapped(t)
 
 
 def functorch_transforms_active() -> bool:
@@ -391,7 +387,7 @@ def forward_ad_active() -> bool:
 DisableFuncTorch = _private("torch._C._DisableFuncTorch")
 
 # The steps torch.func.vmap is made of, called without its Python wrapper (_batching.py);
-# torch 2.5 moved them to predispatch.
+# torch 2.4 keeps them in functorch's vmap module.
 _VMAP_STEPS = {
     name: _private(
         f"torch._functorch.predispatch.{name}",
