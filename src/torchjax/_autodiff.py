@@ -223,6 +223,9 @@ class TapedFunction(_Derivative):
     out_mask: tuple
     grad_method: str
 
+    def arg_path(self, path: tuple) -> str:
+        return self.inner.arg_path(path)  # its args are inner's own
+
     def __call__(self, *primals: Any) -> tuple:
         tensors = [x for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)]
         device = tensors[0].device if tensors else default_torch_device()

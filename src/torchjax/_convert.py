@@ -134,12 +134,23 @@ def _jax_cpu_device() -> Any:
     return _cpu.device
 
 
-def tensor_to_jax(t: torch.Tensor, where: str = "value") -> jax.Array:
+def check_has_data(t: Any, where: str) -> None:
+    """Raise ConversionError naming `where` for a tensor with no dense data to hand over."""
+    if isinstance(t, torch.Tensor) and (t.is_meta or is_fake(t) or t.layout != torch.strided):
+        kind = "meta" if t.is_meta else "fake" if is_fake(t) else str(t.layout)
+        fix = "call .to_dense() first" if t.layout != torch.strided else "use tensors with data"
+        raise ConversionError(
+            f"{where} is a {kind} tensor, which has no data that DLPack could carry to JAX; {fix}."
+        )
+
+
+def tensor_to_jax(t: torch.Tensor, where: str = "value", device: Any = None) -> jax.Array:
     """A torch tensor as a JAX array, sharing memory where the layout allows.
 
     Args:
       t: the tensor; it is detached (autograd history does not cross to JAX).
       where: a path such as ``args[0]['a']`` used in error messages.
+      device: the JAX CPU device for a CPU tensor (default: the first).
 
     Returns:
       A ``jax.Array`` on the matching device. It aliases ``t``'s memory when ``t`` is
@@ -148,9 +159,7 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value") -> jax.Array:
     if t.requires_grad:
         t = t.detach()
     if t.layout != torch.strided:
-        raise ConversionError(
-            f"{where} is a {t.layout} tensor, which DLPack cannot carry; call .to_dense() first."
-        )
+        check_has_data(t, where)
     jax_dtype(t.dtype)  # raise early, with the table, for unsupported dtypes
     narrow = canonical_torch_dtype(t.dtype)
     if narrow is not t.dtype:
@@ -160,11 +169,19 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value") -> jax.Array:
     if t.is_neg():
         t = t.resolve_neg()
     if t.is_cpu:
-        if not t.is_contiguous() or t.data_ptr() % 64:
+        if not t.is_contiguous() or t.const_data_ptr() % 64:
             # XLA aliases only dense, 64-byte aligned memory; anything else is copied once.
             t = t.clone(memory_format=torch.contiguous_format)
-        capsule = torch.utils.dlpack.to_dlpack(t)
-        return _jax.dlpack_managed_tensor_to_buffer(capsule, _jax_cpu_device(), None, None, _DL_CPU)
+        try:
+            capsule = torch.utils.dlpack.to_dlpack(t)
+        except RuntimeError:
+            check_has_data(t, where)
+            raise
+        if device is None or device.platform != "cpu":
+            device = _jax_cpu_device()
+        return _jax.dlpack_managed_tensor_to_buffer(capsule, device, None, None, _DL_CPU)
+    if t.is_meta:
+        check_has_data(t, where)
     if not t.is_contiguous():
         t = t.contiguous()
     # Off the CPU, jax.dlpack negotiates the stream hand-over; its overhead is small there.
