@@ -262,6 +262,13 @@ def tree_to_jax(tree: Any) -> Any:
     under-aligned tensors, read-only numpy arrays, and 64-bit values narrowed because JAX's
     x64 mode is off are copied once. Tensors that require grad are detached.
 
+    Warning:
+      A zero-copy result shares memory with the tensor: writing to the tensor afterwards
+      (an optimizer step, ``param.data.copy_(...)``, ``add_``) **changes the JAX array**,
+      which JAX assumes immutable, silently and including arrays already passed to
+      jitted code. Convert clones (``tree_to_jax({k: v.clone() for k, v in d.items()})``)
+      when the tensors will change.
+
     Args:
       tree: any pytree (dicts, lists, tuples, namedtuples, registered custom nodes).
 
@@ -297,8 +304,14 @@ def tree_to_torch(tree: Any) -> Any:
     """Convert every JAX array and numpy array leaf of a pytree to a torch tensor.
 
     Torch tensors and non-array leaves pass through unchanged. The tensors share memory
-    with the arrays (DLPack); treat tensors made from JAX arrays as read-only, since JAX
-    arrays are immutable and other JAX values may share their buffers.
+    with the arrays (DLPack).
+
+    Warning:
+      The tensors alias the JAX arrays' buffers, zero-copy. Writing to them (in-place ops,
+      ``.data``, an optimizer step, ``out=``) **silently changes the JAX arrays**, which JAX
+      assumes immutable and may share between values. Nothing stops such a write here (only
+      calls made by ``to_jax`` refuse them): treat these tensors as read-only, or ``clone()``
+      them first.
 
     Args:
       tree: any pytree.
