@@ -299,7 +299,11 @@ def test_fresh_outputs_stay_zero_copy():
 
 
 # -- 5: references kept past a call under jit ------------------------------------------------
-@pytest.mark.parametrize("how", ["tensor", "view", "data", "storage"])
+def _on_storage(storage):
+    return torch.tensor([], dtype=torch.float32).set_(storage)
+
+
+@pytest.mark.parametrize("how", ["tensor", "view", "data", "storage", "tensor_on_storage"])
 def test_input_kept_under_jit_keeps_its_values(how):
     kept = []
 
@@ -311,8 +315,10 @@ def test_input_kept_under_jit_keeps_its_values(how):
                 kept.append(t[1:])
             elif how == "data":
                 kept.append(t.data)
+            elif how == "storage":
+                kept.append(t.untyped_storage())
             else:
-                kept.append(torch.tensor([], dtype=t.dtype).set_(t.untyped_storage()))
+                kept.append(_on_storage(t.untyped_storage()))
         return t * 2
 
     # The callback's input is an XLA temporary (x + 1), freed and reused after each call.
@@ -321,6 +327,8 @@ def test_input_kept_under_jit_keeps_its_values(how):
     jax.block_until_ready(outs)
     churn = [jax.jit(lambda x: x * 3 + 7)(jnp.full(256, 5.0)) for _ in range(10)]
     jax.block_until_ready(churn)
+    if how == "storage":
+        kept = [_on_storage(k) for k in kept]
     assert [float(k[0]) for k in kept] == [1.0, 2.0, 3.0]
     assert all(bool(torch.all(k == k[0])) for k in kept)
     for i, out in enumerate(outs):

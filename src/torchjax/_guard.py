@@ -58,6 +58,7 @@ _REFUSED = "Cannot access data pointer of Tensor"
 
 _mark = torch._C._set_throw_on_mutable_data_ptr
 _storage_use_count = torch._C._storage_Use_Count
+_sid = torch._C._storage_id  # a tensor's storage, without making a Python object of it
 _getrefcount = sys.getrefcount
 
 
@@ -183,10 +184,15 @@ def release(tensors: list) -> None:
     the call's input, as it does eagerly (where the tensor keeps its JAX array alive).
     """
     for t in tensors:
-        # References: the list, the loop variable, getrefcount's argument.
+        # References: the list, the loop variable, getrefcount's argument; t on its storage.
         if _getrefcount(t) == 3 and t._use_count() == 1:
+            if _storage_use_count(_sid(t)) == 1:
+                continue
+            # Once a Python object of a storage was made (StorageWeakRef, say), torch keeps
+            # it with the storage: a second user, harmless while nothing else holds it
+            # (references: `storage`, getrefcount's argument, torch's own).
             storage = t.untyped_storage()
-            if _storage_use_count(storage._cdata) == 2:  # t's and `storage`'s
+            if _storage_use_count(storage._cdata) == 2 and _getrefcount(storage) == 3:
                 continue
         else:
             storage = t.untyped_storage()

@@ -41,7 +41,8 @@ Run = Callable[[list[torch.Tensor]], Sequence[Any]]
 
 _DL_CPU = 1  # DLPack's kDLCPU
 _refs = sys.getrefcount  # references: `tensors`, the loop variable, getrefcount's argument
-_uses = torch._C._storage_Use_Count  # users of a storage: t, and the object asked for it
+_uses = torch._C._storage_Use_Count  # how many tensors (or storage objects) share a storage
+_storage_id = torch._C._storage_id  # a tensor's storage, without making a Python object of it
 
 
 def write_output(dst: torch.Tensor, value: torch.Tensor, where: str) -> None:
@@ -102,7 +103,8 @@ def callback_call(
         # An input the function kept a reference to (a cache, a hook) gets memory of its own
         # before XLA reuses the buffer; the common case (none kept) inlined.
         for t in tensors:
-            if _refs(t) != 3 or t._use_count() != 1 or _uses(t.untyped_storage()._cdata) != 2:
+            if _refs(t) != 3 or t._use_count() != 1 or _uses(_storage_id(t)) != 1:
+                del t  # release counts the references to each input
                 release(tensors)
                 break
 

@@ -265,7 +265,11 @@ def _impl(operands: tuple, *, in_tree: Any, statics: tuple, signature: Any, para
     if fake_runs.depth or torch.is_inference_mode_enabled():
         return _impl_in_plain_mode(operands, in_tree, statics, signature, params)
     plan = _eager_plan(in_tree, statics, signature, params)
-    device = _committed_device(operands, plan)
+    device = None
+    for x in operands:
+        if type(x) is _ArrayImpl and x._committed:
+            device = _committed_device(operands, plan)
+            break
     return to_jax_outputs(plan(_tensors(operands, plan)), plan.out_paths, device)
 
 
