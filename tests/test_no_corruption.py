@@ -29,6 +29,11 @@ def _real(t):
     return not is_fake(t)
 
 
+def _on_storage(storage):
+    """A float32 tensor on `storage` (to read or write a kept storage)."""
+    return torch.tensor([], dtype=torch.float32).set_(storage)
+
+
 def _call(f, mode, x):
     """f(x) eagerly, under jit, or with declared outputs (no fake run) eagerly and under jit."""
     if mode == "eager":
@@ -237,35 +242,45 @@ def test_static_leaves_of_different_types_are_different_signatures():
 
 # -- 4: outputs that torch could still change -----------------------------------------------
 def _shared_outputs():
+    """(name, fn, change): fn returns memory torch keeps; change() writes into it later."""
     w = torch.arange(32.0)
     linear = torch.nn.Linear(16, 4)
-    cache = []
+    cache, storages = [], []
 
     def cached(x):
         y = x * 2
-        cache.append(y)
+        if _real(y):
+            cache.append(y)
         return y
 
+    def storage_kept(x):
+        y = x * 2
+        if _real(y):
+            storages.append(y.untyped_storage())
+        return y
+
+    def add(t):
+        return lambda: t.data.add_(100)
+
     return [
-        ("closed-over tensor", lambda x: w, w),
-        ("view of one", lambda x: w[16:], w),  # 64-byte aligned: XLA could alias it
-        ("its .data", lambda x: w.data, w),
-        ("a parameter", lambda x: linear.weight, linear.weight),
-        ("a view of a parameter", lambda x: linear.weight.detach()[0], linear.weight),
-        ("an output kept in a cache", cached, cache),
+        ("closed-over tensor", lambda x: w, add(w)),
+        ("view of one", lambda x: w[16:], add(w)),  # 64-byte aligned: XLA could alias it
+        ("its .data", lambda x: w.data, add(w)),
+        ("a parameter", lambda x: linear.weight, add(linear.weight)),
+        ("a view of a parameter", lambda x: linear.weight.detach()[0], add(linear.weight)),
+        ("an output kept in a cache", cached, lambda: [c.add_(100) for c in cache]),
+        ("its storage kept", storage_kept, lambda: [_on_storage(s).add_(100) for s in storages]),
     ]
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(7))
 def test_outputs_torch_keeps_are_copied(case):
-    name, fn, owner = _shared_outputs()[case]
+    name, fn, change = _shared_outputs()[case]
     x = jnp.arange(4.0)
     eager = torchjax.to_jax(fn)(x)
     jitted = jax.jit(torchjax.to_jax(fn))(x)
     expected = np.array(eager)
-    with torch.no_grad():
-        for t in owner if isinstance(owner, list) else [owner]:
-            t.add_(100)
+    change()
     np.testing.assert_array_equal(eager, expected, err_msg=name)
     np.testing.assert_array_equal(jitted, expected, err_msg=name)
 
@@ -299,10 +314,6 @@ def test_fresh_outputs_stay_zero_copy():
 
 
 # -- 5: references kept past a call under jit ------------------------------------------------
-def _on_storage(storage):
-    return torch.tensor([], dtype=torch.float32).set_(storage)
-
-
 @pytest.mark.parametrize("how", ["tensor", "view", "data", "storage", "tensor_on_storage"])
 def test_input_kept_under_jit_keeps_its_values(how):
     kept = []

@@ -161,9 +161,11 @@ def is_private(t: torch.Tensor, refs: int) -> bool:
     if _getrefcount(t) != refs + 2 or t._use_count() != 1:  # + `t` and getrefcount's argument
         return False
     storage = t.untyped_storage()
-    if not storage.resizable():
+    # The storage's Python object counts as a user of it, and torch keeps it with the
+    # storage once made: references `storage`, getrefcount's argument and torch's own.
+    # One more is a storage object kept by someone else.
+    if not storage.resizable() or _getrefcount(storage) != 3:
         return False
-    # The count includes `storage`, the Python object just made.
     if not t._is_view():
         return _storage_use_count(storage._cdata) == 2
     # A view keeps its base alive: private if the base is reachable only through it. The

@@ -65,7 +65,8 @@ class PytreePrimitive:
       * ``def_abstract_eval(rule)``: ``rule(*args, **params)`` returns a pytree of
         ``jax.ShapeDtypeStruct``; array leaves arrive as ``jax.core.ShapedArray``
         (they have ``.shape`` and ``.dtype``). Called once per distinct signature
-        (structure, static leaves, shapes, dtypes, params) and cached: keep it pure.
+        (structure, static leaves by type and value, shapes, dtypes, params, x64 mode) and
+        cached with the params: keep it pure.
       * ``def_impl(rule)``: ``rule(*args, **params)`` computes the output pytree eagerly.
       * ``def_lowering(rule)``: a JAX-traceable ``rule(*args, **params)`` used under
         ``jax.jit``. Without one, the impl is traced as JAX code.
