@@ -17,11 +17,17 @@ import torch
 
 from torchjax._convert import canonical_torch_dtype, check_has_data, tensor_to_jax, torch_dtype
 from torchjax._errors import ConversionError, OutputMismatchError, TorchJaxError
-from torchjax._guard import check_versions, inplace_error, is_private, is_refusal, same_bytes
+from torchjax._guard import (
+    check_versions,
+    inplace_error,
+    is_private,
+    is_refusal,
+    refuse_writes,
+    same_bytes,
+)
 from torchjax._pytree_types import _ARRAY
 
 _tree = jax.tree_util
-_protect = torch._C._set_throw_on_mutable_data_ptr  # see _guard.protect
 _version = operator.attrgetter("_version")
 
 _WROTE = (
@@ -85,7 +91,7 @@ class CallPlan:
         if self.on_copies:
             return self._invoke_on_copies(tensors, compare=False)
         for t in tensors:
-            _protect(t)
+            refuse_writes(t)
         grad_was_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(self.grad_mode)
         refused = False
@@ -135,9 +141,9 @@ class CallPlan:
             self._raise_failure(e)
         for k, (t, c) in enumerate(zip(tensors, copies, strict=True)):
             if compare and (c._version or not same_bytes(t, c)):
-                raise inplace_error(self.name, self._input_path(k), _WROTE)
+                raise inplace_error(self.name, self.input_path(k), _WROTE)
             if c._version:
-                raise inplace_error(self.name, self._input_path(k), _ON_COPY)
+                raise inplace_error(self.name, self.input_path(k), _ON_COPY)
         self.on_copies = True
         return out
 
@@ -216,11 +222,11 @@ class CallPlan:
             f"output independent of the input values."
         )
 
-    def _input_path(self, k: int) -> str:
+    def input_path(self, k: int) -> str:
         return self.fn.arg_path(leaf_paths(self.in_tree)[self.positions[k]])
 
     def _raise_mutated(self, tensors: list) -> None:
-        names = [self._input_path(k) for k in range(len(tensors))]
+        names = [self.input_path(k) for k in range(len(tensors))]
         check_versions(tensors, [0] * len(tensors), names, self.name, "seen after the real call")
 
 

@@ -28,7 +28,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchjax._errors import InPlaceMutationError
+from torchjax._errors import InPlaceMutationError, TorchJaxError
 
 INPLACE_MESSAGE = """\
 {name} modifies its input {path} in place ({how}). JAX arrays are immutable and torchjax
@@ -56,7 +56,6 @@ _KEPT_MESSAGE = (
 # The message of torch's refusal to hand out a writable pointer to a marked storage.
 _REFUSED = "Cannot access data pointer of Tensor"
 
-_mark = torch._C._set_throw_on_mutable_data_ptr
 _storage_use_count = torch._C._storage_Use_Count
 _sid = torch._C._storage_id  # a tensor's storage, without making a Python object of it
 _getrefcount = sys.getrefcount
@@ -125,10 +124,8 @@ class WriteGuard(TorchDispatchMode):
 
 
 # -- real runs ------------------------------------------------------------------------------
-def protect(tensors: list) -> None:
-    """Make every write into the tensors' storages raise before it happens."""
-    for t in tensors:
-        _mark(t)
+# refuse_writes(t): every write into t's storage (by any tensor on it) raises before it happens.
+refuse_writes = torch._C._set_throw_on_mutable_data_ptr
 
 
 def is_refusal(error: BaseException) -> bool:
@@ -200,5 +197,5 @@ def release(tensors: list) -> None:
             storage = t.untyped_storage()
         swap = getattr(storage, "_swap_data_ptr_", None)
         if swap is None:  # pragma: no cover - a torch without it
-            raise InPlaceMutationError(_KEPT_MESSAGE)
+            raise TorchJaxError(_KEPT_MESSAGE)
         swap(storage.clone())  # the clone now holds XLA's buffer, and lets go of it

@@ -278,7 +278,7 @@ def _tensors(operands: Any, plan: CallPlan) -> list[torch.Tensor]:
         return [array_to_tensor(x) for x in operands]
     except ConversionError:
         for k, x in enumerate(operands):
-            array_to_tensor(x, plan._input_path(k))  # raises again, naming the argument
+            array_to_tensor(x, plan.input_path(k))  # raises again, naming the argument
         raise
 
 
@@ -293,7 +293,7 @@ def _committed_device(operands: Any, plan: CallPlan) -> Any:
                 device = d
             elif d is not device:
                 raise ConversionError(
-                    f"{plan._input_path(k)} is committed to {d}, but an earlier argument to "
+                    f"{plan.input_path(k)} is committed to {d}, but an earlier argument to "
                     f"{plan.name} is committed to {device}. Put the arguments on one device "
                     f"(jax.device_put)."
                 )
