@@ -1,8 +1,9 @@
 """Compare torchjax with other ways to call torch from JAX, and regenerate docs/benchmarks.md.
 
-Runs every benchmark's measurement (conversion, to_jax overhead, vmap, grad/jvp, to_torch) and
-an array-size sweep of f(x) = x * 2 + 1 through each bridge, all in one process, and prints
-the tables. With --write it also writes docs/benchmarks.md and docs/benchmark_sweep.png.
+Runs every benchmark's measurement (conversion, to_jax overhead, vmap, grad/jvp, module_to_jax,
+to_torch) and an array-size sweep of f(x) = x * 2 + 1 through each bridge, all in one process,
+and prints the tables. With --write it also writes docs/benchmarks.md and
+docs/benchmark_sweep.png.
 
 Usage:
   python benchmarks/compare.py                   # measure and print
@@ -51,6 +52,8 @@ SUITES = {
     "vmap": "`jax.vmap` of a wrapped function",
     "grad": "`jax.grad` and `jax.jvp` through a wrapped function",
     "hessian": "`jax.hessian` through a wrapped function",
+    "train": "A training step, against torch's own",
+    "module": "`module_to_jax` overhead",
     "to_torch": "`to_torch` overhead",
 }
 SECTIONS = [*SUITES, "sweep"]

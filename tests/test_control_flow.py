@@ -226,10 +226,10 @@ def test_checkpoint_recomputes_in_torch():
     _close(remat(x), plain(x))
     calls.clear()
     plain(x)
-    assert len(calls) == 4  # two forward calls, two VJP calls
+    assert len(calls) == 2  # two forward calls; the VJPs pull back through their graphs
     calls.clear()
     remat(x)
-    assert len(calls) == 6  # and the two forward calls again, in the backward pass
+    assert len(calls) == 4  # and the two forward calls again, in the backward pass
     # the torch calls are inside the rematerialised region
     (eqn,) = [e for e in jax.make_jaxpr(remat)(x).eqns if e.primitive.name.startswith("remat")]
     inner = [e.primitive.name for e in eqn.params["jaxpr"].eqns]

@@ -25,14 +25,19 @@ def small_net():
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
 
-def test_variables_names_and_zero_copy():
+@pytest.mark.parametrize("copy", [True, False])
+def test_variables_names_and_copy_or_zero_copy(copy):
     net = small_net()
     net.register_buffer("scale", torch.ones(3))
-    apply, variables = torchjax.module_to_jax(net)
+    apply, variables = torchjax.module_to_jax(net, copy=copy)
     assert set(variables["params"]) == {n for n, _ in net.named_parameters()}
     assert set(variables["buffers"]) == {"scale"}
-    for name, p in net.named_parameters():
-        assert variables["params"][name].unsafe_buffer_pointer() == p.data_ptr()
+    named = {**dict(net.named_parameters()), **dict(net.named_buffers())}
+    for group in ("params", "buffers"):
+        for name, array in variables[group].items():
+            np.testing.assert_array_equal(array, named[name].detach().numpy())
+            shared = array.unsafe_buffer_pointer() == named[name].data_ptr()
+            assert shared is not copy, name
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])

@@ -390,14 +390,18 @@ def test_dropped_wrappers_and_modules_are_freed():
         spec = F32_4 if mode == "declared" else None
         f = torchjax.to_jax(lambda t, w=w: t * w, result_shape_dtypes=spec)
         x = jnp.arange(4.0)
-        {"jit": jax.jit(f), "grad": jax.grad(_summed(f))}.get(mode, f)(x)
+        jax.block_until_ready({"jit": jax.jit(f), "grad": jax.grad(_summed(f))}.get(mode, f)(x))
         del w, f
     module = torch.nn.Linear(4, 2)
     refs.append(weakref.ref(module))
     apply, variables = torchjax.module_to_jax(module)
-    jax.grad(_summed(apply, jnp.ones((3, 4))))(variables)
-    jax.jit(apply)(variables, jnp.ones((3, 4)))
+    jax.block_until_ready(jax.grad(_summed(apply, jnp.ones((3, 4))))(variables))
+    # (blocking: a computation in flight holds its callback, and with it the function)
+    jax.block_until_ready(jax.jit(apply)(variables, jnp.ones((3, 4))))
     del module, apply, variables
+    # module_to_jax's forward refers to its own wrappers: one cycle, which the collector
+    # frees (torch tensors in a cycle can take it two passes).
+    gc.collect()
     gc.collect()
     assert [r() for r in refs] == [None] * len(refs)
 

@@ -24,6 +24,7 @@ BIG = 2**21  # float32 elements: 8 MB
 def _rss() -> float:
     """Resident memory in MB, after handing freed heap memory back to the OS."""
     gc.collect()
+    gc.collect()  # torch tensors in a reference cycle can take two passes
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: measure as it is
@@ -58,8 +59,7 @@ def test_calls_wrappers_and_modules_keep_memory_flat():
         g = torchjax.to_jax(lambda t, w=w: t * w[:16])
         np.testing.assert_array_equal(g(x), np.arange(16.0) * i)
         if i % 20 == 0:
-            jax.jit(g)(x)
-            jax.grad(_summed(g))(x)
+            jax.block_until_ready((jax.jit(g)(x), jax.grad(_summed(g))(x)))
         del w, g
     wrappers = _rss()
     assert sum(r() is not None for r in alive) == 0
@@ -69,9 +69,9 @@ def test_calls_wrappers_and_modules_keep_memory_flat():
         module = torch.nn.Linear(1024, 2048)
         alive.append(weakref.ref(module))
         apply, variables = torchjax.module_to_jax(module)
-        apply(variables, jnp.ones((2, 1024)))
+        jax.block_until_ready(apply(variables, jnp.ones((2, 1024))))
         if i % 10 == 0:
-            jax.grad(_summed(apply, jnp.ones((2, 1024))))(variables)
+            jax.block_until_ready(jax.grad(_summed(apply, jnp.ones((2, 1024))))(variables))
         del module, apply, variables
     modules = _rss()
     assert sum(r() is not None for r in alive) == 0

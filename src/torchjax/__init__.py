@@ -1,9 +1,20 @@
 """torchjax: call real PyTorch code from JAX as a first-class JAX function, and back."""
 
+from torchjax import errors
 from torchjax._convert import tree_to_jax, tree_to_torch
 from torchjax._module import module_to_jax
 from torchjax._primitive import PytreePrimitive
 from torchjax._to_jax import to_jax
 from torchjax._to_torch import to_torch
+from torchjax._torch_module import to_torch_module
 
-__all__ = ["PytreePrimitive", "module_to_jax", "to_jax", "to_torch", "tree_to_jax", "tree_to_torch"]
+__all__ = [
+    "PytreePrimitive",
+    "errors",
+    "module_to_jax",
+    "to_jax",
+    "to_torch",
+    "to_torch_module",
+    "tree_to_jax",
+    "tree_to_torch",
+]

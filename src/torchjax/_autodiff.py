@@ -262,8 +262,13 @@ class TapedFunction(_Derivative):
 
     def declared_shapes(self, options: Options, *primals: Any) -> tuple:
         out = torch_call_p.abstract_eval(*primals, fn=self.inner, options=options)
-        out, size = _tree.tree_leaves(out), rng_state_size(default_torch_device())
-        return (*out, jax.ShapeDtypeStruct((), np.int32), jax.ShapeDtypeStruct((size,), np.uint8))
+        return (*_tree.tree_leaves(out), *self.residual_types())
+
+    @staticmethod
+    def residual_types() -> tuple:
+        """The types of the graph handle and the RNG state."""
+        size = rng_state_size(default_torch_device())
+        return jax.ShapeDtypeStruct((), np.int32), jax.ShapeDtypeStruct((size,), np.uint8)
 
 
 def _through(graph: KeptGraph, primals: tuple, out_mask: tuple, cotangents: tuple) -> tuple:

@@ -26,6 +26,7 @@ from torchjax._guard import (
     same_bytes,
 )
 from torchjax._pytree_types import _ARRAY
+from torchjax._torch_outputs import as_jax_tree
 
 _tree = jax.tree_util
 _version = operator.attrgetter("_version")
@@ -97,7 +98,7 @@ class CallPlan:
         refused = False
         try:
             if self.direct is not None:
-                out = self.direct(*tensors)
+                out = as_jax_tree(self.direct(*tensors))
             else:
                 out = self.fn(*_tree.tree_unflatten(self.in_tree, self._fill(tensors)))
         except TorchJaxError:
@@ -119,7 +120,7 @@ class CallPlan:
         torch._C._set_grad_enabled(self.grad_mode)
         try:
             if self.direct is not None:
-                return self.direct(*tensors)
+                return as_jax_tree(self.direct(*tensors))
             return self.fn(*_tree.tree_unflatten(self.in_tree, self._fill(tensors)))
         finally:
             torch._C._set_grad_enabled(grad_was_enabled)

@@ -1,6 +1,8 @@
 # Error types. Every message says what went wrong, where (an argument path such as
 # `args[0]['a']`), and how to fix it; long messages are built by the module that knows the
-# context, these classes only let callers catch torchjax's failures precisely.
+# context, these classes only let callers catch torchjax's failures precisely. The public
+# names live in torchjax.errors; each class also derives from the builtin exception of its
+# kind, so `except TypeError` and the like keep working.
 from __future__ import annotations
 
 
@@ -9,40 +11,62 @@ class TorchJaxError(Exception):
 
 
 class ConversionError(TorchJaxError, TypeError):
-    """A value could not be converted between torch and JAX (dtype, device, tracer)."""
+    """A value could not be converted between torch and JAX.
+
+    Raised by ``tree_to_jax``/``tree_to_torch`` and the functions made by ``to_jax`` and
+    ``to_torch``: a dtype the other side lacks, a 64-bit value that does not fit while
+    JAX's x64 mode is off, a torch tensor passed where a JAX array is expected.
+    """
 
 
 class StaticArgumentError(TorchJaxError, TypeError):
-    """A non-array leaf of a primitive's arguments cannot serve as a static value."""
+    """A non-array leaf of the arguments cannot serve as a static value.
+
+    Non-array leaves are compile-time values: they must be hashable and must not be arrays
+    of the other framework (``to_jax``, ``to_torch``, ``PytreePrimitive.bind``).
+    """
 
 
 class RuleError(TorchJaxError, NotImplementedError):
-    """A PytreePrimitive lacks a rule that a transformation needs."""
+    """A ``PytreePrimitive`` lacks a rule (jvp, transpose, batching, ...) that a
+    transformation needs."""
 
 
 class OutputMismatchError(TorchJaxError, ValueError):
-    """A rule or a torch function returned outputs that differ from the declared ones."""
+    """A function returned outputs that differ from the declared ones.
+
+    A torch function whose real outputs differ in structure, shape or dtype from its
+    ``result_shape_dtypes`` (or from its fake-tensor run), or that returned a leaf that is
+    neither a tensor nor a number; a ``PytreePrimitive`` rule returning the wrong pytree.
+    """
 
 
 class ShapeInferenceError(TorchJaxError, RuntimeError):
-    """Output shapes could not be found by running the function on fake tensors."""
+    """Output shapes could not be found by running the torch function on fake tensors
+    (data-dependent shapes, ``.item()``); declare ``result_shape_dtypes`` instead."""
 
 
 class InPlaceMutationError(TorchJaxError, RuntimeError):
-    """A torch function modified one of its inputs in place."""
-
-
-class TorchCallError(TorchJaxError, RuntimeError):
-    """The wrapped torch function raised; the message carries the original type and text."""
+    """A torch function modified one of its inputs in place, which would change the
+    caller's immutable JAX array; clone the input inside the function first."""
 
 
 class VmapError(TorchJaxError, RuntimeError):
-    """torch.func.vmap could not batch the function."""
+    """``jax.vmap`` of a wrapped torch function failed: ``torch.func.vmap`` could not batch
+    it (try ``vmap_method="sequential"``), or an ``"expand_dims"``/``"broadcast_all"``
+    function returned an output without the batch axis."""
 
 
 class AutodiffError(TorchJaxError, RuntimeError):
-    """torch.func could not differentiate the function."""
+    """``torch.func`` (or ``torch.autograd``) could not differentiate the wrapped torch
+    function (try ``grad_method="autograd"``)."""
 
 
 class JaxOutputError(TorchJaxError, TypeError):
-    """A JAX function called through to_torch returned a value torch cannot hold."""
+    """A JAX function called through ``to_torch`` returned a value torch cannot hold
+    (a non-array leaf, or a dtype torch lacks)."""
+
+
+class VariablesError(TorchJaxError, ValueError):
+    """``variables`` passed to a ``module_to_jax`` function does not match the module's
+    parameters and buffers (missing, unexpected or misshaped entries)."""

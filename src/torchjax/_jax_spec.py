@@ -30,10 +30,19 @@ class _Spec:
 
     `fn` takes one array per entry of `in_avals` and returns a tuple of arrays. Derived
     specs (vjp, jvp, vmap) are built on first use and cached here, so each is traced and
-    compiled once.
+    compiled once. The last `n_aux` outputs are auxiliary (to_torch's has_aux): never
+    differentiable, whatever their dtype. `n_aux` may be a callable, asked after `fn` was
+    traced (the count is known only then).
     """
 
-    def __init__(self, name: str, fn: Callable, in_avals: list, paths: list[str]):
+    def __init__(
+        self,
+        name: str,
+        fn: Callable,
+        in_avals: list,
+        paths: list[str],
+        n_aux: int | Callable[[], int] = 0,
+    ):
         self.name, self.fn = name, fn
         self.in_avals, self.in_paths = tuple(in_avals), tuple(paths)
         self.jitted = jax.jit(fn)
@@ -49,8 +58,12 @@ class _Spec:
             self.out_dtypes = tuple(torch_dtype(a.dtype) for a in self.out_avals)
         except ConversionError as e:
             raise JaxOutputError(f"{name}: an output has no torch dtype: {e}") from None
+        self.n_aux = n_aux() if callable(n_aux) else n_aux
+        n_main = len(self.out_avals) - self.n_aux
         self.diff_in = tuple(_is_diff(a.dtype) for a in self.in_avals)
-        self.diff_out = tuple(_is_diff(a.dtype) for a in self.out_avals)
+        self.diff_out = tuple(
+            _is_diff(a.dtype) and i < n_main for i, a in enumerate(self.out_avals)
+        )
         self.out_specs = tuple(zip(self.out_avals, self.out_dtypes, strict=True))
         self._derived: dict[Any, _Spec] = {}
         self.op_id: int | None = None
@@ -144,7 +157,7 @@ class _Spec:
                 if d is not None:
                     a = jax.ShapeDtypeStruct((*a.shape[:d], size, *a.shape[d:]), a.dtype)
                 avals.append(a)
-            return _Spec(f"vmap({self.name})", fn, avals, list(self.in_paths))
+            return _Spec(f"vmap({self.name})", fn, avals, list(self.in_paths), self.n_aux)
 
         return self._derive(("vmap", in_dims, size), build)
 

@@ -1,72 +1,194 @@
 # module_to_jax: a torch.nn.Module as a pure JAX function of a variables pytree.
 #
 # The module object only supplies the code (its forward) and the structure; its parameters
-# and buffers travel as JAX arrays in `variables` and are substituted with
-# torch.func.functional_call on every call. functional_call writes buffer updates (BatchNorm
-# running stats) into the tensors it is given, so apply hands it fresh clones: the caller's
-# arrays and the module's own tensors are never touched, and mutable=True returns the
-# updated clones as new_buffers.
+# and buffers travel as JAX arrays in `variables` and are swapped into the module for each
+# call (_module_state.py), then swapped back. One to_jax function per variant of a call
+# (mutable or not, the modules' train/eval modes, with or without an rng key) keeps every
+# per-call decision out of the call itself. The fake-tensor run that to_jax makes once per
+# signature also checks `variables` against the module and finds out whether forward
+# writes its buffers in place (BatchNorm's running statistics in training mode): only then
+# do real calls hand it copies, so the caller's arrays are never written.
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import is_fake
 
 from torchjax._convert import tree_to_jax
-from torchjax._errors import TorchJaxError
+from torchjax._errors import VariablesError
+from torchjax._module_state import ModuleState, compiled_original
 from torchjax._to_jax import to_jax
 
+__all__ = ["VariablesError", "module_to_jax"]  # VariablesError: importable here as before
 
-class VariablesError(TorchJaxError, ValueError):
-    """`variables` does not match the module's parameters and buffers."""
+_tree = jax.tree_util
 
-
-def _signature(named: dict[str, torch.Tensor]) -> dict[str, tuple]:
-    return {k: tuple(v.shape) for k, v in named.items()}
-
-
-def _check_group(module_name: str, group: str, given: Any, expected: dict[str, tuple]) -> None:
-    if not isinstance(given, dict):
-        raise VariablesError(
-            f"variables[{group!r}] must be a dict of arrays, got {type(given).__name__}."
-        )
-    missing = [k for k in expected if k not in given]
-    extra = [k for k in given if k not in expected]
-    if missing or extra:
-        raise VariablesError(
-            f"variables[{group!r}] does not match {module_name}: missing {missing}, "
-            f"unexpected {extra}. Use the variables returned by module_to_jax(module) (and "
-            f"keep their keys when updating them)."
-        )
-    for k, shape in expected.items():
-        got = tuple(np.shape(given[k]))
-        if got != shape:
-            raise VariablesError(
-                f"variables[{group!r}][{k!r}] has shape {list(got)}, but {module_name} "
-                f"expects {list(shape)}."
-            )
+_NOT_VARIABLES = (
+    "variables must be the mapping {{'params': ..., 'buffers': ...}} returned by "
+    "module_to_jax({name}), got {got}. Call apply(variables, *inputs), not "
+    "apply(variables['params'], *inputs)."
+)
 
 
-def module_to_jax(module: torch.nn.Module) -> tuple[Callable, dict]:
+def _is_fake(t: torch.Tensor) -> bool:
+    # A plain tensor outside torch.func transforms is real: skip is_fake's slower checks.
+    if type(t) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return False
+    return is_fake(t)
+
+
+def _is_fake_call(params: Any, buffers: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether forward runs on fake tensors (to_jax's shape inference), not real data."""
+    try:  # the common case: the first parameter tells
+        for group in (params, buffers):
+            for t in group.values():
+                return _is_fake(t)
+    except AttributeError:  # not mappings: the variables check will say so
+        pass
+    for leaf in _tree.tree_leaves((params, buffers, args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            return _is_fake(leaf)
+    return torch._guards.detect_fake_mode() is not None
+
+
+class _Apply:
+    """What every variant of a call shares: the module, its state and the options."""
+
+    def __init__(self, module: torch.nn.Module, options: dict, result_shape_dtypes: Any):
+        original = compiled_original(module)
+        # A compiled module runs real calls; its original runs the fake one, which compiled
+        # code cannot do, and names the variables (without the `_orig_mod.` prefix).
+        self.state = ModuleState(original if original is not None else module)
+        self.real_module = module
+        self.name = type(self.state.module).__name__
+        self.options, self.result_shape_dtypes = options, result_shape_dtypes
+        self.variants: dict[tuple, Callable] = {}
+
+    def variant(self, mutable: bool, training: tuple, seeded: bool) -> Callable:
+        key = (mutable, training, seeded)
+        fn = self.variants.get(key)
+        if fn is None:
+            fn = self.variants[key] = self._make(mutable, training, seeded)
+        return fn
+
+    def _make(self, mutable: bool, training: tuple, seeded: bool) -> Callable:
+        state, name = self.state, self.name
+        # Whether forward writes a buffer in place, as the fake runs saw it; None until one
+        # ran (or never, with declared result_shape_dtypes): then real calls copy buffers.
+        writes: list[bool | None] = [None]
+
+        def forward(params, buffers, args, kwargs, seed=None):
+            fake = _is_fake_call(params, buffers, args, kwargs)
+            if fake:
+                state.check(name, params, buffers)
+                module = state.module
+                buffers = {k: v.clone() for k, v in buffers.items()}  # free on fakes
+                versions = [t._version for t in buffers.values()]
+            else:
+                module = self.real_module
+                # Under jit the mode can change after tracing: copy unless it is the one
+                # the fake run saw not writing.
+                if state.buffers and not (writes[0] is False and state.training() == training):
+                    buffers = {k: v.clone() for k, v in buffers.items()}
+            if seed is None:  # torch's global generator, advancing as in plain PyTorch
+                out = state.call(module, args, kwargs, params, buffers, mutable)
+            else:  # a generator state derived from the JAX key, leaving the global one alone
+                with torch.random.fork_rng(devices=[]):
+                    if not fake:
+                        torch.manual_seed(int(seed.item()))
+                    out = state.call(module, args, kwargs, params, buffers, mutable)
+            if fake:
+                moved = [t._version != v for t, v in zip(buffers.values(), versions, strict=True)]
+                writes[0] = bool(writes[0]) or any(moved)
+            return out
+
+        forward.__name__ = forward.__qualname__ = f"{name}.forward"
+        options = dict(self.options)
+        if seeded:  # a seed read with .item() cannot be batched: one call per example
+            options["vmap_method"] = "sequential"
+        declared = None
+        if self.result_shape_dtypes is not None:
+            declared = self._declared(mutable)
+        return to_jax(forward, result_shape_dtypes=declared, **options)
+
+    def _declared(self, mutable: bool) -> Callable:
+        """result_shape_dtypes for forward's signature, from the user's for the module's."""
+        spec = self.result_shape_dtypes
+
+        def declared(params, buffers, args, kwargs, seed=None):
+            del seed
+            self.state.check(self.name, params, buffers)
+            out = spec(*args, **kwargs) if callable(spec) else spec
+            if mutable:
+                types = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in buffers.items()}
+                out = (out, types)
+            return out
+
+        return declared
+
+
+def _describe(variables: Any) -> str:
+    if isinstance(variables, Mapping):
+        return f"a {type(variables).__name__} with keys {sorted(map(str, variables))}"
+    return f"a {type(variables).__name__}"
+
+
+def _to_jax_copy(tensors: dict[str, torch.Tensor], copy: bool) -> dict:
+    if copy:  # a private contiguous copy, handed to JAX without another one
+        tensors = {
+            k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()
+        }
+    return tree_to_jax(tensors)
+
+
+def module_to_jax(
+    module: torch.nn.Module,
+    *,
+    vmap_method: str = "torch",
+    vmap_randomness: str = "different",
+    grad_method: str = "torch.func",
+    result_shape_dtypes: Any = None,
+    copy: bool = True,
+) -> tuple[Callable, dict]:
     """Turn a ``torch.nn.Module`` into a pure JAX function and its variables pytree.
 
     Args:
-      module: the module. Its forward is the code; its mode (``train()``/``eval()``) at
-        call time is respected (a change of mode retraces under jit). It is never mutated.
+      module: the module, or a ``torch.compile``'d one (real calls then run the compiled
+        code; the variables keep the original module's names). Its forward is the code;
+        its mode (``train()``/``eval()``) when torch runs is respected. It is never mutated.
+      vmap_method: how ``jax.vmap`` batches a call, as in ``to_jax``: ``"torch"`` (one
+        ``torch.func.vmap`` call), ``"sequential"``, ``"expand_dims"`` or
+        ``"broadcast_all"``. Calls with ``rng`` always run one call per example.
+      vmap_randomness: ``torch.func.vmap``'s ``randomness``, as in ``to_jax``;
+        ``"different"`` (default) lets dropout draw independently per example.
+      grad_method: ``"torch.func"`` (default) or ``"autograd"``, as in ``to_jax``.
+      result_shape_dtypes: the forward's output types, as in ``to_jax``: a pytree of
+        ``jax.ShapeDtypeStruct``, or a callable taking forward's inputs (not the
+        variables) as ShapeDtypeStructs. Without it they are found on fake tensors.
+      copy: ``True`` (default): ``variables`` are copies, made once now, so training the
+        torch module later never changes them. ``False``: they share memory with the
+        module's tensors (no copy); only safe if torch never writes the module's
+        parameters or buffers afterwards (an optimizer step, ``load_state_dict``, a
+        training-mode forward in torch), since that would change the JAX arrays.
 
     Returns:
       ``(apply, variables)``. ``variables = {"params": {name: array}, "buffers": {name:
       array}}`` with names as in ``named_parameters()``/``named_buffers()`` (tied weights
-      appear once), converted zero-copy. ``apply(variables, *args, mutable=False, rng=None,
-      **kwargs)`` returns the module's output; with ``mutable=True`` it returns
-      ``(output, new_buffers)`` (e.g. BatchNorm running statistics after a training-mode
-      step). ``rng``, a JAX PRNG key, seeds torch's generator for the call (dropout): the
-      same key gives the same masks. Without it, torch's global generator is used, as in
-      plain PyTorch. apply works under jit, vmap and grad (w.r.t. params and inputs).
+      appear once). ``apply(variables, *args, mutable=False, rng=None, **kwargs)`` returns
+      the module's output; ``variables`` may be any mapping with those two groups (a flax
+      ``nnx.State`` too). With ``mutable=True`` it returns ``(output, new_buffers)`` (e.g.
+      BatchNorm running statistics after a training-mode step). ``rng``, a JAX PRNG key,
+      seeds torch's generator for the call (dropout): the same key gives the same masks.
+      Without it, torch's global generator is used, as in plain PyTorch. apply works under
+      jit, vmap and grad (w.r.t. params and inputs).
+
+    Raises:
+      VariablesError: (from apply) ``variables`` lacks a group, or a name or shape differs
+        from the module's.
 
     Example:
       >>> import jax, jax.numpy as jnp, torch, torchjax
@@ -78,45 +200,31 @@ def module_to_jax(module: torch.nn.Module) -> tuple[Callable, dict]:
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module_to_jax expects a torch.nn.Module, got {type(module).__name__}.")
-    params = dict(module.named_parameters())
-    buffers = dict(module.named_buffers())
-    variables = {"params": tree_to_jax(params), "buffers": tree_to_jax(buffers)}
-    expected = {"params": _signature(params), "buffers": _signature(buffers)}
-    module_name = type(module).__name__
+    options = {
+        "vmap_method": vmap_method,
+        "vmap_randomness": vmap_randomness,
+        "grad_method": grad_method,
+    }
+    to_jax(lambda: None, **options)  # validates the choices now, with to_jax's messages
+    impl = _Apply(module, options, result_shape_dtypes)
+    variables = {
+        "params": _to_jax_copy(impl.state.params, copy),
+        "buffers": _to_jax_copy(impl.state.buffers, copy),
+    }
 
-    def forward(params, buffers, args, kwargs, mutable, training, seed=None):
-        del training  # static: only there so that a change of mode retraces
-        # functional_call writes buffer updates into what it gets: give it copies.
-        buffers = {k: v.clone() for k, v in buffers.items()}
-        state = {**params, **buffers}
-        if seed is None:  # torch's global generator, advancing as in plain PyTorch
-            out = torch.func.functional_call(module, state, args, kwargs)
-        else:  # a generator state derived from the JAX key, leaving the global one alone
-            with torch.random.fork_rng(devices=[]):
-                if not isinstance(seed, FakeTensor):
-                    torch.manual_seed(int(seed.item()))
-                out = torch.func.functional_call(module, state, args, kwargs)
-        return (out, buffers) if mutable else out
-
-    forward.__name__ = forward.__qualname__ = f"{module_name}.forward"
-    forward_without_rng = to_jax(forward, vmap_randomness="different")
-    # A seed read with .item() cannot be batched by torch.func.vmap: loop over examples.
-    forward_with_rng = to_jax(forward, vmap_method="sequential")
-
-    def apply(variables: dict, *args: Any, mutable: bool = False, rng: Any = None, **kwargs: Any):
-        if not isinstance(variables, dict) or set(variables) != {"params", "buffers"}:
-            raise VariablesError(
-                "variables must be the dict {'params': ..., 'buffers': ...} returned by "
-                "module_to_jax."
-            )
-        for group in ("params", "buffers"):
-            _check_group(module_name, group, variables[group], expected[group])
-        training = tuple(m.training for m in module.modules())
-        v_params, v_buffers = variables["params"], variables["buffers"]
+    def apply(variables: Any, *args: Any, mutable: bool = False, rng: Any = None, **kwargs: Any):
+        try:
+            params, buffers = variables["params"], variables["buffers"]
+            valid = isinstance(variables, Mapping) and len(variables) == 2
+        except (TypeError, KeyError, IndexError):
+            valid = False
+        if not valid:
+            raise VariablesError(_NOT_VARIABLES.format(name=impl.name, got=_describe(variables)))
+        fn = impl.variant(bool(mutable), impl.state.training(), rng is not None)
         if rng is None:
-            return forward_without_rng(v_params, v_buffers, args, kwargs, mutable, training)
+            return fn(params, buffers, args, kwargs)
         seed = jax.random.randint(rng, (), 0, np.iinfo(np.int32).max, dtype=np.int32)
-        return forward_with_rng(v_params, v_buffers, args, kwargs, mutable, training, seed)
+        return fn(params, buffers, args, kwargs, seed)
 
-    apply.__doc__ = f"{module_name} as a pure function: apply(variables, *args, **kwargs)."
+    apply.__doc__ = f"{impl.name} as a pure function: apply(variables, *args, **kwargs)."
     return apply, variables

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import itertools
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,7 +36,7 @@ class KeptGraph:
     """One forward's autograd graph: the differentiated leaves, the outputs on it, and the
     inputs its saved tensors refer to (filled in by the VJP before the backward)."""
 
-    __slots__ = ("leaves", "outputs", "nbytes", "inputs")
+    __slots__ = ("leaves", "outputs", "nbytes", "inputs", "__weakref__")
 
     def __init__(self) -> None:
         self.leaves: list[torch.Tensor] = []
@@ -96,21 +97,29 @@ def recording(graph: KeptGraph, inputs: list[torch.Tensor]) -> Iterator[None]:
     """Record a forward into `graph`: saved views of `inputs` by reference, their sizes
     not counted; everything else torch saves counted in graph.nbytes."""
     where = {t.untyped_storage().data_ptr(): k for k, t in enumerate(inputs) if t.numel()}
+    dtypes = [t.dtype for t in inputs]
+    # The hooks live as long as the autograd graph, which the KeptGraph holds: a strong
+    # reference back would be a cycle through C++ that Python's collector cannot see.
+    kept = weakref.ref(graph)
 
     def pack(t: torch.Tensor) -> Any:
         if not t.numel():
             return t
         k = where.get(t.untyped_storage().data_ptr())
         if k is not None:
-            if t.dtype == inputs[k].dtype and not t.is_conj() and not t.is_neg():
+            if t.dtype == dtypes[k] and not t.is_conj() and not t.is_neg():
                 return _InputView(k, t)
             t = t.clone()  # a view as_strided cannot rebuild: keep a copy, not XLA's buffer
-        graph.nbytes += t.numel() * t.element_size()
-        return t
+        owner = kept()
+        if owner is not None:
+            owner.nbytes += t.numel() * t.element_size()
+        # Detached: a saved output (tanh saves its own) kept with its grad_fn would close
+        # a reference cycle inside torch's graph that nothing ever frees.
+        return t.detach()
 
     def unpack(saved: Any) -> torch.Tensor:
         if isinstance(saved, _InputView):
-            base = graph.inputs[saved.k]
+            base = kept().inputs[saved.k]  # the VJP holds the graph while it pulls back
             return base.as_strided(saved.size, saved.stride, saved.offset)
         return saved
 

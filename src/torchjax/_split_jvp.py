@@ -150,13 +150,7 @@ def _batch(args: tuple, axes: tuple, *, fn: Any, options: Any) -> tuple[Any, Any
         # jax.jit(jax.vmap(jax.grad(f))): one batched VJP call.
         out, out_axes = _batching.batch(args, axes, fn=fn.inner, options=options)
         out = jax.tree_util.tree_leaves(out)
-        handle, rng = jax.tree_util.tree_leaves(
-            torch_call_p.abstract_eval(*args, fn=fn, options=options)
-        )[-2:]
-        nothing = (
-            jax.numpy.zeros(handle.shape, handle.dtype),
-            jax.numpy.zeros(rng.shape, rng.dtype),
-        )
+        nothing = tuple(jax.numpy.zeros(t.shape, t.dtype) for t in TapedFunction.residual_types())
         return (*out, *nothing), (*_broadcast(out_axes, len(out)), None, None)
     if isinstance(fn, VjpFunction) and options.vmap_method == "torch":
         if not any(a is not None for a in jax.tree_util.tree_leaves(axes[:-1])):

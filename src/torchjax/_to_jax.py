@@ -119,6 +119,13 @@ def to_jax(
 
     # The params (in user.bound_params) refer back to `user`; emptying that dict when the
     # wrapper dies frees the function, its closure and its signature caches at once,
-    # without waiting for the cycle collector.
-    weakref.finalize(wrapped, user.bound_params.clear)
+    # without waiting for the cycle collector. Held weakly: where fn itself refers back to
+    # the wrapper (a module's forward and its variants), that is one cycle, collected whole.
+    weakref.finalize(wrapped, _forget, weakref.ref(user))
     return wrapped
+
+
+def _forget(user_ref: weakref.ref) -> None:
+    user = user_ref()
+    if user is not None:
+        user.bound_params.clear()

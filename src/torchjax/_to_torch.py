@@ -44,6 +44,13 @@ hashable. Pass it as a torch tensor if it is data, or use a hashable type (a tup
 of a set, a frozen dataclass), or register its type as a pytree node
 (jax.tree_util.register_pytree_node) so that its contents become leaves."""
 
+_BAD_AUX = """\
+to_torch({name}, has_aux=True): the function returned a {kind}; with has_aux=True it must
+return a pair (output, aux), both pytrees of arrays:
+    def f(x):
+        y = jnp.sin(x)
+        return y.sum(), {{"y": y}}   # (output, aux)"""
+
 _BAD_OUTPUT = """\
 to_torch({name}): output{path} is a {kind}; a JAX function called through to_torch must
 return a pytree of arrays, since only arrays can become torch tensors. Return static values
@@ -140,8 +147,14 @@ def _needs_autograd(tensors: list[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _build_spec(jax_fn: Callable, name: str, args: tuple, kwargs: dict) -> tuple[_Spec, Any]:
-    """Validate a new signature and build its spec; returns it with the output treedef."""
+def _build_spec(
+    jax_fn: Callable, name: str, args: tuple, kwargs: dict, has_aux: bool = False
+) -> tuple[_Spec, Any]:
+    """Validate a new signature and build its spec; returns it with the output treedef.
+
+    With `has_aux`, jax_fn returns `(out, aux)`; aux's leaves are the spec's last outputs,
+    computed under stop_gradient and marked non-differentiable.
+    """
     path_leaves, treedef = _tree.tree_flatten_with_path((args, kwargs))
     statics: list[Any] = []
     avals, paths = [], []
@@ -169,12 +182,26 @@ def _build_spec(jax_fn: Callable, name: str, args: tuple, kwargs: dict) -> tuple
         statics.append(leaf)
 
     out_tree: list[Any] = []
+    n_aux = [0]
 
     def flat_fn(*arrays: Any) -> tuple:
         it = iter(arrays)
         leaves = [next(it) if s is _TENSOR else s for s in statics]
         a, kw = _tree.tree_unflatten(treedef, leaves)
         out = jax_fn(*a, **kw)
+        if has_aux:
+            if not (isinstance(out, tuple | list) and len(out) == 2):
+                if isinstance(out, jax.Array):
+                    kind = f"single array of shape {list(out.shape)}"
+                elif isinstance(out, tuple | list):
+                    kind = f"{type(out).__qualname__} of length {len(out)}"
+                else:
+                    kind = type(out).__qualname__
+                raise JaxOutputError(_BAD_AUX.format(name=name, kind=kind))
+            # aux is a by-product: no gradient flows through it, in JAX's sense too.
+            aux = _tree.tree_map(jax.lax.stop_gradient, out[1])
+            n_aux[0] = len(_tree.tree_leaves(aux))
+            out = (out[0], aux)
         out_leaves, tree = _tree.tree_flatten(out)
         for path, o in _tree.tree_flatten_with_path(out)[0]:
             if not isinstance(o, jax.Array | np.ndarray | np.generic | int | float | complex):
@@ -185,11 +212,11 @@ def _build_spec(jax_fn: Callable, name: str, args: tuple, kwargs: dict) -> tuple
         out_tree[:] = [tree]
         return tuple(out_leaves)
 
-    spec = _Spec(f"to_torch({name})", flat_fn, avals, paths)
+    spec = _Spec(f"to_torch({name})", flat_fn, avals, paths, n_aux=lambda: n_aux[0])
     return spec, out_tree[0]
 
 
-def to_torch(jax_fn: Callable[..., Any]) -> Callable[..., Any]:
+def to_torch(jax_fn: Callable[..., Any] | None = None, *, has_aux: bool = False) -> Any:
     """Wrap a JAX function so that PyTorch can call it, differentiate it and batch it.
 
     The wrapper takes the same arguments as ``jax_fn``, with torch tensors where ``jax_fn``
@@ -205,7 +232,12 @@ def to_torch(jax_fn: Callable[..., Any]) -> Callable[..., Any]:
 
     Args:
       jax_fn: a function of JAX arrays (pytrees allowed) returning a pytree of arrays.
-        It must be pure, as for ``jax.jit``.
+        It must be pure, as for ``jax.jit``. Omit it to use ``@to_torch(has_aux=True)``
+        as a decorator factory.
+      has_aux: as in ``jax.grad``: ``jax_fn`` returns a pair ``(output, aux)``. Both come
+        back as tensors, but no gradient flows through ``aux`` (its tensors never require
+        grad, and it is under ``jax.lax.stop_gradient`` for JAX's own transforms), so it
+        suits losses that also report metrics, and ``torch.func.grad(..., has_aux=True)``.
 
     Returns:
       A function of torch tensors returning the same pytree structure as ``jax_fn``, with
@@ -214,7 +246,8 @@ def to_torch(jax_fn: Callable[..., Any]) -> Callable[..., Any]:
     Raises:
       StaticArgumentError: a non-tensor leaf is an array or is unhashable.
       ConversionError: a tensor has a dtype JAX lacks, or does not fit while x64 is off.
-      JaxOutputError: ``jax_fn`` returned something other than arrays.
+      JaxOutputError: ``jax_fn`` returned something other than arrays (or, with
+        ``has_aux``, something other than a pair).
 
     Example:
       >>> import jax.numpy as jnp, torch
@@ -226,7 +259,16 @@ def to_torch(jax_fn: Callable[..., Any]) -> Callable[..., Any]:
       >>> energy(params, torch.randn(5, 3)).sum().backward()
       >>> params["w"].grad.shape
       torch.Size([3, 2])
+      >>> @to_torch(has_aux=True)
+      ... def loss(w, x):                           # [3], [N, 3] -> [], {"pred": [N]}
+      ...     pred = x @ w
+      ...     return jnp.mean(pred ** 2), {"pred": pred}
+      >>> value, aux = loss(torch.ones(3, requires_grad=True), torch.ones(4, 3))
+      >>> value.requires_grad, aux["pred"].requires_grad
+      (True, False)
     """
+    if jax_fn is None:
+        return functools.partial(to_torch, has_aux=has_aux)
     if not callable(jax_fn):
         raise TypeError(f"to_torch(jax_fn): expected a JAX function, got {type(jax_fn).__name__}.")
     name = getattr(jax_fn, "__qualname__", None) or type(jax_fn).__qualname__
@@ -251,7 +293,7 @@ def to_torch(jax_fn: Callable[..., Any]) -> Callable[..., Any]:
             key = None
             hit = None
         if hit is None:
-            hit = _build_spec(jax_fn, name, args, kwargs)
+            hit = _build_spec(jax_fn, name, args, kwargs, has_aux)
             if key is not None:
                 cache[tuple(key)] = hit
         spec, out_tree = hit

@@ -40,6 +40,7 @@ from torchjax._shapes import (
     output_struct,
     real_mode,
 )
+from torchjax._torch_outputs import as_jax_tree
 
 _SingleDevice = jax.sharding.SingleDeviceSharding
 _tree = jax.tree_util
@@ -86,7 +87,7 @@ class UserFunction:
         return self
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
-        return self.fn(*args, **kwargs)
+        return as_jax_tree(self.fn(*args, **kwargs))
 
     def arg_path(self, path: tuple) -> str:
         # bind's args are (args, kwargs): report paths as the user wrote the call.
@@ -125,7 +126,8 @@ class UserFunction:
         """Output types from one run on fake tensors (of the original, if compiled)."""
         target = fake_target(self.fn)
         try:
-            return fake_eval(lambda a, k: target(*a, **k), args, self.name, self.arg_path)
+            call = lambda a, k: as_jax_tree(target(*a, **k))
+            return fake_eval(call, args, self.name, self.arg_path)
         except TorchJaxError:
             raise
         except Exception as e:

@@ -1,0 +1,87 @@
+# Outputs of torch functions as JAX pytrees.
+#
+# Torch code returns containers that torch's pytree registry (torch.utils._pytree) knows
+# but JAX's does not: the structseqs of torch.return_types (`torch.linalg.slogdet(x)`,
+# `x.max(dim=0)`) and registered dict-likes such as Hugging Face's ModelOutput. JAX would
+# take each for one opaque leaf. `as_jax_tree` rebuilds them as containers JAX knows, the
+# same way on fake and real runs, so the output structure found by the fake run is the one
+# real calls produce: a structseq becomes a namedtuple with its field names, a dict-like
+# becomes a dict of its non-None entries, any other torch node a tuple of its children.
+# Leaves that are neither tensors nor numbers are left alone: the output checks name them.
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Any
+
+import jax
+import torch
+import torch.utils._pytree as torch_pytree
+
+_tree = jax.tree_util
+
+
+def as_jax_tree(out: Any) -> Any:
+    """`out` with every container that only torch's pytree registry knows made a JAX one.
+
+    Args:
+      out: what a torch function returned.
+
+    Returns:
+      `out` itself when JAX already knows every container in it (the common case, checked
+      first without rebuilding anything); otherwise a rebuilt tree of tuples, lists, dicts
+      and namedtuples with the same leaves.
+    """
+    t = type(out)
+    if t is torch.Tensor:
+        return out
+    if (t is tuple or t is list) and all(type(o) is torch.Tensor for o in out):
+        return out
+    return _convert(out)
+
+
+def _convert(x: Any) -> Any:
+    t = type(x)
+    if t is torch.Tensor or x is None or t in (bool, int, float, complex, str):
+        return x
+    if t is tuple or t is list:
+        return t(_convert(v) for v in x)
+    if t is dict:
+        return {k: _convert(v) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple: JAX knows it
+        return t(*(_convert(v) for v in x))
+    node = torch_pytree.SUPPORTED_NODES.get(t)
+    if node is None or not _is_jax_leaf(x):
+        return x  # JAX knows it, or nobody does (the output checks will name it)
+    if torch_pytree.is_structseq_class(t):
+        return _namedtuple(t)(*(_convert(v) for v in x))
+    if node.flatten_with_keys_fn is not None:
+        entries, _ = node.flatten_with_keys_fn(x)
+        keys = [k for k, _ in entries]
+        if keys and all(
+            isinstance(k, torch_pytree.MappingKey | torch_pytree.GetAttrKey) for k in keys
+        ):
+            return {_key_name(k): _convert(v) for k, v in entries if v is not None}
+        return tuple(_convert(v) for _, v in entries)
+    children, context = node.flatten_fn(x)
+    if isinstance(context, list | tuple) and len(context) == len(children):
+        # flatten_fn's context lists the keys of a dict-like (ModelOutput's does).
+        if all(isinstance(k, str) for k in context):
+            return {k: _convert(v) for k, v in zip(context, children, strict=True) if v is not None}
+    return tuple(_convert(v) for v in children)
+
+
+def _key_name(key: Any) -> Any:
+    return key.key if isinstance(key, torch_pytree.MappingKey) else key.name
+
+
+def _is_jax_leaf(x: Any) -> bool:
+    # One level only: x itself is a JAX node or not, whatever its children are.
+    return _tree.treedef_is_leaf(_tree.tree_structure(x, is_leaf=lambda y: y is not x))
+
+
+@functools.cache
+def _namedtuple(structseq: type) -> type:
+    """One namedtuple class per structseq type, so equal outputs give equal treedefs."""
+    n = structseq.n_sequence_fields
+    return collections.namedtuple(structseq.__name__, structseq.__match_args__[:n])

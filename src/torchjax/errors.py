@@ -1,0 +1,46 @@
+"""The exceptions torchjax raises on purpose, importable for ``except`` clauses.
+
+Every class derives from :class:`TorchJaxError`, so ``except TorchJaxError`` catches any
+of them; each also derives from the builtin exception that describes its kind
+(``TypeError``, ``ValueError``, ``RuntimeError``, ``NotImplementedError``), so code written
+against those keeps working. Messages say what went wrong, where (an argument path such
+as ``args[0]['w']``) and how to fix it.
+
+Example:
+  >>> import jax.numpy as jnp, torch, torchjax
+  >>> from torchjax.errors import InPlaceMutationError, TorchJaxError
+  >>> bump = torchjax.to_jax(lambda x: x.add_(1))  # modifies its input
+  >>> try:
+  ...     bump(jnp.zeros(3))
+  ... except InPlaceMutationError as e:
+  ...     print(isinstance(e, TorchJaxError), "in place" in str(e))
+  True True
+"""
+
+from torchjax._errors import (
+    AutodiffError,
+    ConversionError,
+    InPlaceMutationError,
+    JaxOutputError,
+    OutputMismatchError,
+    RuleError,
+    ShapeInferenceError,
+    StaticArgumentError,
+    TorchJaxError,
+    VariablesError,
+    VmapError,
+)
+
+__all__ = [
+    "TorchJaxError",
+    "AutodiffError",
+    "ConversionError",
+    "InPlaceMutationError",
+    "JaxOutputError",
+    "OutputMismatchError",
+    "RuleError",
+    "ShapeInferenceError",
+    "StaticArgumentError",
+    "VariablesError",
+    "VmapError",
+]

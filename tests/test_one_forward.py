@@ -1,0 +1,256 @@
+# One forward per training step (issue #17): reverse mode keeps torch's autograd graph
+# from the forward for the VJP, and value and gradient see the same random draws, with or
+# without a kept graph. References: the same computation in torch, and the identity
+# d/dx sum(dropout(x)) = mask / (1 - p) = dropout(ones) (the mask itself).
+from __future__ import annotations
+
+import gc
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
+
+import torchjax
+from torchjax._residual import GRAPHS
+
+
+def _close(actual, expected, rtol=1e-5, atol=1e-6):
+    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=rtol, atol=atol)
+
+
+class Counted(torch.autograd.Function):
+    """The identity, counting the forwards and backwards torch runs through it."""
+
+    forwards = backwards = 0
+
+    @staticmethod
+    def forward(x):
+        Counted.forwards += 1
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        Counted.backwards += 1
+        return g
+
+
+def _reset():
+    Counted.forwards = Counted.backwards = 0
+
+
+def _mlp_loss(params, x):  # torch: {'w1': [4, 8], 'w2': [8, 1]}, [B, 4] -> []
+    h = torch.tanh(Counted.apply(x @ params["w1"]))
+    return (h @ params["w2"]).pow(2).mean()
+
+
+def _mlp_loss_jax(params, x):
+    return ((jnp.tanh(x @ params["w1"]) @ params["w2"]) ** 2).mean()
+
+
+PARAMS = {
+    "w1": jnp.linspace(-1.0, 1.0, 32).reshape(4, 8),
+    "w2": jnp.linspace(0.5, -0.5, 8).reshape(8, 1),
+}
+X = jnp.linspace(-2.0, 2.0, 12).reshape(3, 4)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_value_and_grad_is_one_forward_and_one_backward(jit):
+    loss = torchjax.to_jax(_mlp_loss)
+    step = jax.value_and_grad(loss)
+    if jit:
+        step = jax.jit(step)
+    step(PARAMS, X)  # trace (one fake run) and warm up
+    _reset()
+    value, grads = step(PARAMS, X)
+    assert (Counted.forwards, Counted.backwards) == (1, 1)
+    ref_value, ref_grads = jax.value_and_grad(_mlp_loss_jax)(PARAMS, X)
+    _close(value, ref_value)
+    _close(grads["w1"], ref_grads["w1"])
+    _close(grads["w2"], ref_grads["w2"])
+
+
+class CountedLayer(torch.nn.Module):
+    def forward(self, x):
+        return Counted.apply(x)
+
+
+def test_training_step_with_a_loss_computed_in_jax_is_one_forward():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), CountedLayer(), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    )
+    apply, variables = torchjax.module_to_jax(model)
+
+    def loss(params, x):
+        pred = apply({"params": params, "buffers": variables["buffers"]}, x)
+        return jnp.mean((pred - 1.0) ** 2)
+
+    step = jax.jit(jax.value_and_grad(loss))
+    step(variables["params"], X)
+    _reset()
+    value, grads = step(variables["params"], X)
+    assert (Counted.forwards, Counted.backwards) == (1, 1)
+    x_t = torch.tensor(np.asarray(X))
+    expected = (model(x_t) - 1.0).pow(2).mean()
+    expected.backward()
+    _close(value, expected.item())
+    for name, p in model.named_parameters():
+        _close(grads[name], p.grad)
+
+
+def _dropout_sum(x):
+    return F.dropout(x, 0.5, training=True).sum()
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_value_and_gradient_see_the_same_dropout_mask(jit):
+    step = jax.value_and_grad(torchjax.to_jax(_dropout_sum))
+    if jit:
+        step = jax.jit(step)
+    for _ in range(3):
+        value, grad = step(jnp.ones(1000))
+        # d/dx sum(dropout(x)) = mask / (1 - p), and at x = 1 the value is its sum.
+        _close(value, grad.sum(), rtol=1e-6)
+        assert set(np.unique(np.asarray(grad))) <= {0.0, 2.0}
+
+
+def test_same_mask_when_the_vjp_recomputes():
+    # A VJP called twice (the graph is freed by the first) and a linearized function
+    # applied forward both recompute the forward, replaying its random draws.
+    f = torchjax.to_jax(_dropout_sum)
+    x = jnp.ones(1000)
+    value, pullback = jax.vjp(f, x)
+    (g1,) = pullback(jnp.ones(()))
+    (g2,) = pullback(jnp.ones(()))
+    _close(g1, g2)
+    _close(value, g1.sum(), rtol=1e-6)
+    value, f_lin = jax.linearize(f, x)
+    _close(value, f_lin(x), rtol=1e-6)  # the JVP in direction x at x = 1: the same sum
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_same_mask_through_module_to_jax_without_rng(jit):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.3)
+    layer.train()
+    apply, variables = torchjax.module_to_jax(layer)
+    x = jnp.linspace(-1.0, 1.0, 5 * 2 * 8).reshape(5, 2, 8)
+
+    def loss(params):
+        return jnp.sum(apply({"params": params, "buffers": variables["buffers"]}, x) ** 2)
+
+    step = jax.jit(jax.value_and_grad(loss)) if jit else jax.value_and_grad(loss)
+    step(variables["params"])  # trace and compile: no draws
+    state = torch.get_rng_state()
+    value, grads = step(variables["params"])
+    # The same draws in torch: restore the generator, run forward and backward there.
+    torch.set_rng_state(state)
+    layer.zero_grad()
+    expected = layer(torch.tensor(np.asarray(x))).pow(2).sum()
+    expected.backward()
+    _close(value, expected.item(), rtol=1e-4)
+    for name, p in layer.named_parameters():
+        _close(grads[name], p.grad, rtol=1e-3, atol=1e-5)
+
+
+def _rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_graphs_whose_backward_never_runs_do_not_accumulate():
+    w = torch.linspace(-1, 1, 64 * 64).reshape(64, 64)
+    f = torchjax.to_jax(lambda x: torch.tanh(x @ w).sum())
+    x = jnp.ones((16, 64))
+    for _ in range(500):  # warm up: the store fills to its bound
+        jax.vjp(f, x)
+    gc.collect()
+    before = _rss_bytes()
+    for _ in range(10_000):
+        jax.vjp(f, x)  # the forward keeps a graph; the VJP never runs
+    gc.collect()
+    growth = _rss_bytes() - before
+    assert len(GRAPHS) <= GRAPHS.max_count
+    assert growth < 64 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB"
+
+
+def test_evicted_graph_falls_back_to_recomputing_with_the_same_draws(monkeypatch):
+    monkeypatch.setattr(GRAPHS, "max_count", 1)
+    f = torchjax.to_jax(_dropout_sum)
+    x = jnp.ones(1000)
+    value, pullback = jax.vjp(f, x)
+    jax.vjp(f, x)  # a second forward evicts the first graph
+    (grad,) = pullback(jnp.ones(()))
+    _close(value, grad.sum(), rtol=1e-6)
+
+
+def test_jit_graph_does_not_keep_xla_input_buffers():
+    # Under jit XLA may reuse the forward's input buffers before the backward runs: the
+    # graph's saved inputs are rebuilt from the VJP's own inputs. Run steps whose inputs
+    # are fresh buffers each time and compare every gradient with plain JAX.
+    loss = torchjax.to_jax(lambda w, x: (torch.sin(x @ w) * x.sum()).sum())
+    loss_jax = lambda w, x: (jnp.sin(x @ w) * x.sum()).sum()
+    step = jax.jit(lambda w, x: jax.grad(loss)(w * 1.0, x + 0.0))
+    for k in range(20):
+        w = jnp.full((4, 3), 0.1 * k)
+        x = jnp.linspace(0.1, 1.0, 8).reshape(2, 4) * k
+        _close(step(w, x), jax.grad(loss_jax)(w, x), rtol=1e-4, atol=1e-5)
+
+
+def test_scan_of_wrapped_steps_keeps_one_graph_per_step():
+    calls = []
+
+    def cell(h, x):
+        if not is_fake(h):
+            calls.append(1)
+        return torch.tanh(h + x)
+
+    f = torchjax.to_jax(cell)
+    f_jax = lambda h, x: jnp.tanh(h + x)
+
+    def loss(h0, xs, cell):
+        h, _ = jax.lax.scan(lambda h, x: (cell(h, x), None), h0, xs)
+        return h.sum()
+
+    h0, xs = jnp.zeros(3), jnp.linspace(-1, 1, 12).reshape(4, 3)
+    grad = jax.jit(jax.grad(lambda h: loss(h, xs, f)))
+    _close(grad(h0), jax.grad(lambda h: loss(h, xs, f_jax))(h0))
+    calls.clear()
+    grad(h0)
+    assert len(calls) == 4  # one forward per step; the backward reuses each step's graph
+
+
+def test_threads_each_pull_back_through_their_own_graph():
+    import threading
+
+    loss = torchjax.to_jax(lambda w, x: torch.tanh(x @ w).pow(2).sum())
+    loss_jax = lambda w, x: (jnp.tanh(x @ w) ** 2).sum()
+    step = jax.jit(jax.value_and_grad(loss))
+    results, errors = {}, []
+
+    def work(k):
+        try:
+            w, x = jnp.full((4, 2), 0.1 * k), jnp.linspace(-1.0, 1.0, 12).reshape(3, 4) * k
+            for _ in range(20):
+                results[k] = (step(w, x), jax.value_and_grad(loss_jax)(w, x))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for (value, grad), (ref_value, ref_grad) in results.values():
+        _close(value, ref_value, rtol=1e-5)
+        _close(grad, ref_grad, rtol=1e-4, atol=1e-6)

@@ -1,0 +1,113 @@
+"""to_jax of torch functions returning torch-only pytrees: structseqs (torch.return_types) and
+Hugging Face-style ModelOutput dict-likes registered in torch.utils._pytree."""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.utils._pytree as torch_pytree
+
+import torchjax
+from torchjax.errors import OutputMismatchError
+
+
+class ModelOutput(collections.OrderedDict):
+    """Like transformers.utils.ModelOutput: an OrderedDict of the fields that are not None,
+    registered (by every subclass) as a torch pytree node flattening to (values, keys)."""
+
+    def __init_subclass__(cls):
+        torch_pytree.register_pytree_node(
+            cls,
+            lambda out: (list(out.values()), list(out.keys())),
+            lambda values, keys: cls(**dict(zip(keys, values, strict=True))),
+            serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+        )
+
+    def __init__(self, **fields):
+        super().__init__((k, v) for k, v in fields.items() if v is not None)
+
+    def __getattr__(self, name):
+        return self.get(name)
+
+
+class CausalLMOutput(ModelOutput):
+    pass
+
+
+A = jnp.array([[2.0, 0.5, 0.1], [0.3, 1.5, -0.2], [0.0, 0.4, 3.0]])
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_structseq_becomes_namedtuple(mode):
+    f = torchjax.to_jax(torch.linalg.slogdet)
+    out = (jax.jit(f) if mode == "jit" else f)(A)
+    assert type(out).__name__ == "linalg_slogdet" and out._fields == ("sign", "logabsdet")
+    sign, logabsdet = jnp.linalg.slogdet(A)
+    np.testing.assert_allclose(out.sign, sign)
+    np.testing.assert_allclose(out.logabsdet, logabsdet, rtol=1e-6)
+
+
+def test_structseq_grad_matches_jax():
+    f = torchjax.to_jax(torch.linalg.slogdet)
+    got = jax.grad(lambda a: f(a).logabsdet)(A)
+    want = jax.grad(lambda a: jnp.linalg.slogdet(a)[1])(A)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_structseq_under_vmap_and_nested_in_a_dict():
+    f = torchjax.to_jax(lambda x: {"max": x.max(dim=0), "n": x.shape[0]})
+    xs = jnp.arange(24.0).reshape(2, 4, 3) % 5
+    out = jax.vmap(f)(xs)
+    np.testing.assert_array_equal(out["max"].values, jnp.max(xs, axis=1))
+    np.testing.assert_array_equal(out["max"].indices, jnp.argmax(xs, axis=1))
+    assert out["max"].indices.dtype == jnp.int32  # x64 off
+
+
+def model(params, x):  # {'w': [3, 2]}, [N, 3] -> CausalLMOutput(logits=[N, 2], hidden=[N, 3])
+    hidden = torch.tanh(x)
+    return CausalLMOutput(loss=None, logits=hidden @ params["w"], hidden=hidden)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "vmap"])
+def test_model_output_becomes_dict_of_non_none_fields(mode):
+    f = torchjax.to_jax(model)
+    params = {"w": jnp.arange(6.0).reshape(3, 2) / 6}
+    x = jnp.linspace(-1, 1, 12).reshape(4, 3)
+    if mode == "vmap":
+        out = jax.vmap(f, in_axes=(None, 0))(params, x[:, None])
+        out = jax.tree.map(lambda v: v[:, 0], out)
+    else:
+        out = (jax.jit(f) if mode == "jit" else f)(params, x)
+    assert type(out) is dict and set(out) == {"logits", "hidden"}  # loss was None
+    np.testing.assert_allclose(out["hidden"], jnp.tanh(x), rtol=1e-6)
+    np.testing.assert_allclose(out["logits"], jnp.tanh(x) @ params["w"], rtol=1e-6)
+
+
+def test_model_output_grad_matches_jax():
+    f = torchjax.to_jax(model)
+    params = {"w": jnp.arange(6.0).reshape(3, 2) / 6}
+    x = jnp.linspace(-1, 1, 12).reshape(4, 3)
+    got = jax.grad(lambda p: jnp.sum(f(p, x)["logits"] ** 2))(params)
+    want = jax.grad(lambda p: jnp.sum((jnp.tanh(x) @ p["w"]) ** 2))(params)
+    np.testing.assert_allclose(got["w"], want["w"], rtol=1e-5)
+
+
+def test_non_array_leaf_named_by_its_path():
+    f = torchjax.to_jax(lambda x: CausalLMOutput(logits=x * 2, label="positive"))
+    with pytest.raises(OutputMismatchError, match=r"returned a str at out\['label'\]"):
+        f(jnp.ones(2))
+
+
+def test_plain_outputs_are_passed_through_unchanged():
+    from torchjax._torch_outputs import as_jax_tree
+
+    t = torch.ones(2)
+    pair = (t, t)
+    assert as_jax_tree(t) is t and as_jax_tree(pair) is pair
+    nested = {"a": [t, (t, 1.0)], "b": None}
+    assert jax.tree_util.tree_structure(as_jax_tree(nested)) == jax.tree_util.tree_structure(nested)
