@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 NUM_PROCESSES = 2
 LOCAL_DEVICES = 2
@@ -31,10 +32,11 @@ def launch() -> int:
         )
         for i in range(NUM_PROCESSES)
     ]
+    deadline = time.monotonic() + TIMEOUT_S  # one limit for both, however they finish
     codes = []
     for i, proc in enumerate(procs):
         try:
-            out, _ = proc.communicate(timeout=TIMEOUT_S)
+            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
