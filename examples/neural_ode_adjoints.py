@@ -8,8 +8,7 @@ vector field at each of its steps. Through torchjax, both end in torch's autogra
 
 Checks: for each adjoint, the gradient w.r.t. the MLP's parameters equals the one with the
 MLP written in jax.numpy (same weights, same adjoint); and the two adjoints agree with each
-other up to the backward solve's discretisation error. BacksolveAdjoint does not yet work
-with a torch field (see the end of the file); until it does, only its failure is reported.
+other up to the backward solve's discretisation error.
 
 Run: python examples/neural_ode_adjoints.py
 """
@@ -71,19 +70,12 @@ def gradients(adjoint):
 recursive = gradients(diffrax.RecursiveCheckpointAdjoint())
 assert max(float(jnp.max(jnp.abs(g))) for g in recursive.values()) > 1e-3  # worth comparing
 
-# Known issue: BacksolveAdjoint takes jax.jacfwd of a function that calls the vector field's
-# vjp (w.r.t. the cotangent), which torchjax's batching does not yet handle; the example
-# says so instead of failing, and checks the adjoint in full once it works.
-try:
-    backsolve = gradients(diffrax.BacksolveAdjoint())
-except ValueError as e:
-    if "got axis spec None but output was batched" not in str(e):
-        raise
-    print("BacksolveAdjoint with a torch field: not supported yet (jacfwd of a vjp)")
-else:
-    worst = max(
-        float(jnp.max(jnp.abs(recursive[k] - backsolve[k])) / jnp.max(jnp.abs(recursive[k])))
-        for k in recursive
-    )
-    print(f"the two adjoints agree: max relative difference {worst:.1e}")
-    assert worst < 1e-3, worst
+# BacksolveAdjoint takes jax.jacfwd of a function that calls the vector field's vjp with
+# respect to its cotangent: the one torch call for a VJP and its tangent splits again there.
+backsolve = gradients(diffrax.BacksolveAdjoint())
+worst = max(
+    float(jnp.max(jnp.abs(recursive[k] - backsolve[k])) / jnp.max(jnp.abs(recursive[k])))
+    for k in recursive
+)
+print(f"the two adjoints agree: max relative difference {worst:.1e}")
+assert worst < 1e-3, worst
