@@ -35,7 +35,9 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _report(results: list[harness.Result], args: argparse.Namespace, seconds: float) -> str:
+def _report(
+    results: list[harness.Result], args: argparse.Namespace, seconds: float, cpu_seconds: float
+) -> str:
     counts = collections.Counter((r.transform, r.status) for r in results)
     ops = sorted({r.op for r in results})
     lines = [
@@ -51,7 +53,8 @@ def _report(results: list[harness.Result], args: argparse.Namespace, seconds: fl
         f"* torch {torch.__version__}, jax {jax.__version__}, Python {platform.python_version()}",
         f"* {len(ops)} ops, {len(results)} (op, transform) pairs, float64, "
         f"{args.samples} samples per pair where they apply, time limit {args.time_limit:g} s "
-        f"per side, {args.jobs} worker processes; the sweep took {seconds / 60:.1f} min",
+        f"per side, {args.jobs} worker processes; the sweep took {seconds / 60:.1f} min "
+        f"({cpu_seconds / 60:.1f} min of CPU time)",
         "",
         "Classes: **pass**; **mismatch** (both ran, results differ beyond rtol/atol 1e-6 or",
         "the OpInfo's own float64 tolerance); **error** (torch ran, torchjax raised);",
@@ -190,13 +193,15 @@ def main() -> None:
     order = {(name, t): k for k, (name, t) in enumerate(p for b in batches for p in b)}
     results.sort(key=lambda r: order[r.op, r.transform])
     seconds = time.perf_counter() - start
-    Path(args.out).write_text(_report(results, args, seconds))
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_seconds = children.ru_utime + children.ru_stime
+    Path(args.out).write_text(_report(results, args, seconds, cpu_seconds))
     if args.json:
         Path(args.json).write_text(
             "".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in results)
         )
     counts = collections.Counter(r.status for r in results)
-    print(f"wrote {args.out} in {seconds:.0f} s: {dict(counts)}")
+    print(f"wrote {args.out} in {seconds:.0f} s ({cpu_seconds:.0f} s CPU): {dict(counts)}")
 
 
 if __name__ == "__main__":
