@@ -165,6 +165,8 @@ def _leaves(out: Any) -> list[Any]:
 def _to_numpy(x: Any) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = x.detach().resolve_conj().resolve_neg().cpu()
+        if x._is_zerotensor():  # torch.func's lazy zero (no storage): the zeros it stands for
+            x = torch.zeros(x.shape, dtype=x.dtype)
         if x.dtype in _ML_DTYPES:  # no numpy dtype: reinterpret the bits as ml_dtypes' type
             bits = torch.int16 if x.dtype.itemsize == 2 else torch.uint8
             return x.contiguous().view(bits).numpy().view(_ML_DTYPES[x.dtype])
