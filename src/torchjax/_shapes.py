@@ -55,6 +55,7 @@ _FAKE_MESSAGES = (
     "data-dependent",
     "data dependent",
     "doesn't have storage",
+    "data is not allocated",
     "fake tensor",
     "faketensor",
     "meta tensor",
