@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-matrix lint bench clean
+.PHONY: demo test test-matrix lint bench conformance clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ test-matrix:
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
+
+conformance: $(STAMP)
+	$(BIN)/python tools/conformance.py
 
 clean:
 	rm -rf $(VENV)

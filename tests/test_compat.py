@@ -52,6 +52,8 @@ PRIVATE_NAMES = [
     "jax._src.lib._jax.dlpack_managed_tensor_to_buffer",
     "jax._src.lib._jax.buffer_to_dlpack_managed_tensor",
     "jax._src.lib._jax.ArrayImpl",
+    "jax._src.lib._jax.ArrayImpl._committed",
+    "jax.sharding.SingleDeviceSharding._device",
     "torch._C._from_dlpack",
     "torch._C._set_grad_enabled",
     "torch.Tensor._version",
@@ -85,6 +87,15 @@ PRIVATE_NAMES = [
     "torch.nn.Module()._parameters",
     "torch.nn.Module()._buffers",
     "torch.nn.Module()._modules",
+    "torch.utils._python_dispatch.TorchDispatchMode",
+    "torch._C._set_throw_on_mutable_data_ptr",
+    "torch._C._storage_Use_Count",
+    "torch._C._storage_id",
+    "torch.UntypedStorage._cdata",
+    "torch.Tensor._use_count",
+    "torch.Tensor._is_view",
+    "torch.Tensor._base",
+    "torch.ops.aten.add.Tensor._schema",
 ]
 
 
@@ -164,6 +175,13 @@ _PRIVATE_ATTRS = {
     "_C",
     "_functorch",
     "_jax",
+    "_committed",
+    "_device",
+    "_use_count",
+    "_is_view",
+    "_base",
+    "_cdata",
+    "_schema",
 }
 
 

@@ -1,4 +1,4 @@
-"""Wrapped torch functions inside jax.shard_map over 4 host devices (a separate process)."""
+"""Wrapped torch functions inside jax.shard_map: 4 host devices, then 2 processes (subprocesses)."""
 
 import pathlib
 import subprocess
@@ -14,3 +14,18 @@ def test_multidevice_script():
     assert result.returncode == 0, result.stdout + result.stderr
     for check in ("shard_map: local shards", "sharded input under jit", "data-parallel training"):
         assert check in result.stdout, result.stdout
+
+
+MULTIHOST_SCRIPT = pathlib.Path(__file__).with_name("multihost_script.py")
+
+
+def test_multihost_script():
+    """Two processes (2 CPU devices each, gloo collectives) share one 4-device mesh."""
+    result = subprocess.run(
+        [sys.executable, str(MULTIHOST_SCRIPT)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for i in range(2):
+        assert f"process {i}: multi-host data-parallel grad matches pure JAX: ok" in (
+            result.stdout
+        ), result.stdout

@@ -227,3 +227,30 @@ def test_scan_of_wrapped_steps_keeps_one_graph_per_step():
     calls.clear()
     grad(h0)
     assert len(calls) == 4  # one forward per step; the backward reuses each step's graph
+
+
+def test_threads_each_pull_back_through_their_own_graph():
+    import threading
+
+    loss = torchjax.to_jax(lambda w, x: torch.tanh(x @ w).pow(2).sum())
+    loss_jax = lambda w, x: (jnp.tanh(x @ w) ** 2).sum()
+    step = jax.jit(jax.value_and_grad(loss))
+    results, errors = {}, []
+
+    def work(k):
+        try:
+            w, x = jnp.full((4, 2), 0.1 * k), jnp.linspace(-1.0, 1.0, 12).reshape(3, 4) * k
+            for _ in range(20):
+                results[k] = (step(w, x), jax.value_and_grad(loss_jax)(w, x))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for (value, grad), (ref_value, ref_grad) in results.values():
+        _close(value, ref_value, rtol=1e-5)
+        _close(grad, ref_grad, rtol=1e-4, atol=1e-6)

@@ -255,3 +255,12 @@ def test_bert_tiny_config_gradients_match_torch():
     )
     model = transformers.BertModel(cfg).eval()
     _hf_grads_match(model, jnp.array([[1, 5, 7, 9]]), return_dict=False)
+
+
+def test_unallocated_fake_data_is_a_shape_inference_error_under_jit():
+    # tensor_split with tensor indices reads them: a fake run meets "data is not allocated".
+    f = torchjax.to_jax(lambda x, i: torch.tensor_split(x, i.long()))
+    x, i = jnp.arange(5.0), jnp.array([1, 3])
+    assert [o.shape for o in f(x, i)] == [(1,), (2,), (2,)]  # eagerly: a real run
+    with pytest.raises(ShapeInferenceError, match="not allocated"):
+        jax.jit(f)(x, i)

@@ -206,3 +206,13 @@ def test_jacrev_of_empty_inputs():
     x = jnp.zeros((5, 0))
     assert jax.jacrev(jax.jacrev(torchjax.to_jax(lambda x: f(x).sum())))(x).shape == (5, 0, 5, 0)
     assert jax.jacrev(torchjax.to_jax(f))(x).shape == (5, 0, 5, 0)
+
+
+def test_jacfwd_of_a_vjp_in_its_cotangent():
+    # jacfwd batches the tangents only: the pullback of the primal cotangent must come out
+    # unbatched (diffrax's BacksolveAdjoint differentiates the vector field's VJP this way).
+    y = jnp.array([0.1, -0.4, 0.7])
+    jac = lambda f: jax.jacfwd(lambda c: jax.vjp(f, y)[1](c)[0])(y)
+    expected = jac(lambda y: jnp.tanh(y) * 2)  # diag(2 (1 - tanh(y)^2))
+    _close(jac(torchjax.to_jax(lambda y: torch.tanh(y) * 2)), expected)
+    _close(jax.jit(lambda: jac(torchjax.to_jax(lambda y: torch.tanh(y) * 2)))(), expected)

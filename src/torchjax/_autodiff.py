@@ -149,8 +149,17 @@ class VjpFunction(_Derivative):
     grad_method: str
     ct_batch: tuple = ()
     taped: bool = False  # called as (primals, residuals, cotangents): see JvpFunction
+    # Called with two sets of cotangents, (..., cotangents, more): the pullbacks of both from
+    # one forward, (*of cotangents, *of more). The JVP of a VJP in its cotangents.
+    pair: bool = False
 
     def __call__(self, primals: tuple, *rest: tuple) -> tuple:
+        if self.pair:
+            *head, cts, more = rest
+            stacked = tuple(torch.stack([c, m]) for c, m in zip(cts, more, strict=True))
+            both = dataclasses.replace(self, pair=False, ct_batch=(*self.ct_batch, (0,) * len(cts)))
+            out = both(primals, *head, stacked)
+            return (*[o[0] for o in out], *[o[1] for o in out])
         cotangents = rest[-1]
         # torch pulls back with the conjugate of JAX's cotangent convention for complex
         # numbers: JAX's vjp(ct) is conj(torch's vjp(conj(ct))). Real leaves are unaffected.
@@ -202,12 +211,13 @@ class VjpFunction(_Derivative):
 
     def declared_shapes(self, options: Options, primals: tuple, *rest: tuple) -> tuple:
         del options
-        cotangents = rest[-1]
+        cotangents = rest[-2] if self.pair else rest[-1]
         leaves = _tree.tree_leaves(primals)
         lead = _batch_sizes([c.shape for c in cotangents], self.ct_batch)
-        return tuple(
+        out = tuple(
             jax.ShapeDtypeStruct((*lead, *leaves[i].shape), leaves[i].dtype) for i in self.wrt
         )
+        return (*out, *out) if self.pair else out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +233,9 @@ class TapedFunction(_Derivative):
     wrt: tuple
     out_mask: tuple
     grad_method: str
+
+    def arg_path(self, path: tuple) -> str:
+        return self.inner.arg_path(path)  # its args are inner's own
 
     def __call__(self, *primals: Any) -> tuple:
         tensors = [x for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)]
@@ -333,15 +346,15 @@ def _jvp(primals: tuple, tangents: tuple, *, fn: Any, options: Options) -> tuple
 def _jvp_of_pullback(primals: tuple, ct_dots: tuple, fn: VjpFunction, options: Options) -> tuple:
     """A VJP differentiated with respect to its cotangents alone, in which it is linear:
     its tangent is the same VJP of the cotangents' tangents. Both come from one call that
-    runs the forward once and pulls back the two cotangents as a batch of two."""
+    runs the forward once and pulls back both (VjpFunction.pair); batched over the
+    tangents alone (jax.jacfwd), it splits again (_split_jvp.py)."""
     *points, cts = primals
     if all(t is None for t in ct_dots):
         return torch_call_p.bind(*primals, fn=fn, options=options), None
     dots = [jax.numpy.zeros_like(c) if t is None else t for c, t in zip(cts, ct_dots, strict=True)]
-    pair = tuple(jax.numpy.stack([c, t]) for c, t in zip(cts, dots, strict=True))
-    both = dataclasses.replace(fn, ct_batch=(*fn.ct_batch, (0,) * len(cts)))
-    out = torch_call_p.bind(*points, pair, fn=both, options=options)
-    return tuple(o[0] for o in out), tuple(o[1] for o in out)
+    both = dataclasses.replace(fn, pair=True)
+    out = torch_call_p.bind(*points, cts, tuple(dots), fn=both, options=options)
+    return tuple(out[: len(out) // 2]), tuple(out[len(out) // 2 :])
 
 
 @torch_call_p.def_transpose

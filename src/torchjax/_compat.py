@@ -250,8 +250,15 @@ partial_eval = types.SimpleNamespace(
 )
 
 # ---------------------------------------------------------------------------------------
-# JAX and jaxlib: the x64 flag and DLPack (_convert.py)
+# JAX and jaxlib: the x64 flag, DLPack, arrays' devices (_convert.py, _torch_call.py)
 # ---------------------------------------------------------------------------------------
+
+# Whether an array was placed on its device explicitly, and a single-device sharding's
+# device: read without building the sharding's device set.
+_private("jax._src.lib._jax.ArrayImpl._committed")
+array_committed = operator.attrgetter("_committed")
+_private("jax.sharding.SingleDeviceSharding._device")
+sharding_device = operator.attrgetter("_device")
 
 
 class _PublicX64:
@@ -488,6 +495,24 @@ _private("torch.nn.Module()._modules")
 module_parameters = operator.attrgetter("_parameters")
 module_buffers = operator.attrgetter("_buffers")
 module_children = operator.attrgetter("_modules")
+
+# The in-place guard (_guard.py, _call_plan.py, _lowering.py): dispatch modes, and who
+# shares a tensor's storage.
+TorchDispatchMode = _private("torch.utils._python_dispatch.TorchDispatchMode")
+# Every later write into the storage raises before it happens (torch's mark for fake ones).
+set_throw_on_mutable_data_ptr = _private("torch._C._set_throw_on_mutable_data_ptr")
+storage_use_count = _private("torch._C._storage_Use_Count")  # users of a storage id
+storage_id = _private("torch._C._storage_id")  # a tensor's storage, as an id (no object)
+_private("torch.UntypedStorage._cdata")
+storage_cdata = operator.attrgetter("_cdata")  # an UntypedStorage's id
+_private("torch.Tensor._use_count")
+tensor_use_count = operator.methodcaller("_use_count")  # references to the TensorImpl
+_private("torch.Tensor._is_view")
+is_view = operator.methodcaller("_is_view")
+_private("torch.Tensor._base")
+tensor_base = operator.attrgetter("_base")
+_private("torch.ops.aten.add.Tensor._schema")
+op_schema = operator.attrgetter("_schema")  # an OpOverload's schema (arguments, aliasing)
 
 # ---------------------------------------------------------------------------------------
 

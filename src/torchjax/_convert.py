@@ -138,12 +138,23 @@ def _jax_cpu_device() -> Any:
     return _cpu.device
 
 
-def tensor_to_jax(t: torch.Tensor, where: str = "value") -> jax.Array:
+def check_has_data(t: Any, where: str) -> None:
+    """Raise ConversionError naming `where` for a tensor with no dense data to hand over."""
+    if isinstance(t, torch.Tensor) and (t.is_meta or is_fake(t) or t.layout != torch.strided):
+        kind = "meta" if t.is_meta else "fake" if is_fake(t) else str(t.layout)
+        fix = "call .to_dense() first" if t.layout != torch.strided else "use tensors with data"
+        raise ConversionError(
+            f"{where} is a {kind} tensor, which has no data that DLPack could carry to JAX; {fix}."
+        )
+
+
+def tensor_to_jax(t: torch.Tensor, where: str = "value", device: Any = None) -> jax.Array:
     """A torch tensor as a JAX array, sharing memory where the layout allows.
 
     Args:
       t: the tensor; it is detached (autograd history does not cross to JAX).
       where: a path such as ``args[0]['a']`` used in error messages.
+      device: the JAX CPU device for a CPU tensor (default: the first).
 
     Returns:
       A ``jax.Array`` on the matching device. It aliases ``t``'s memory when ``t`` is
@@ -152,9 +163,7 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value") -> jax.Array:
     if t.requires_grad:
         t = t.detach()
     if t.layout != torch.strided:
-        raise ConversionError(
-            f"{where} is a {t.layout} tensor, which DLPack cannot carry; call .to_dense() first."
-        )
+        check_has_data(t, where)
     jax_dtype(t.dtype)  # raise early, with the table, for unsupported dtypes
     narrow = canonical_torch_dtype(t.dtype)
     if narrow is not t.dtype:
@@ -164,10 +173,18 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value") -> jax.Array:
     if t.is_neg():
         t = t.resolve_neg()
     if t.is_cpu:
-        if not t.is_contiguous() or t.data_ptr() % 64:
+        if not t.is_contiguous() or t.const_data_ptr() % 64:
             # XLA aliases only dense, 64-byte aligned memory; anything else is copied once.
             t = t.clone(memory_format=torch.contiguous_format)
-        return cpu_array_from_tensor(t, _jax_cpu_device())
+        if device is None or device.platform != "cpu":
+            device = _jax_cpu_device()
+        try:
+            return cpu_array_from_tensor(t, device)
+        except RuntimeError:  # torch's DLPack export of a tensor without data
+            check_has_data(t, where)
+            raise
+    if t.is_meta:
+        check_has_data(t, where)
     if not t.is_contiguous():
         t = t.contiguous()
     # Off the CPU, jax.dlpack negotiates the stream hand-over; its overhead is small there.
@@ -245,6 +262,13 @@ def tree_to_jax(tree: Any) -> Any:
     under-aligned tensors, read-only numpy arrays, and 64-bit values narrowed because JAX's
     x64 mode is off are copied once. Tensors that require grad are detached.
 
+    Warning:
+      A zero-copy result shares memory with the tensor: writing to the tensor afterwards
+      (an optimizer step, ``param.data.copy_(...)``, ``add_``) **changes the JAX array**,
+      which JAX assumes immutable, silently and including arrays already passed to
+      jitted code. Convert clones (``tree_to_jax({k: v.clone() for k, v in d.items()})``)
+      when the tensors will change.
+
     Args:
       tree: any pytree (dicts, lists, tuples, namedtuples, registered custom nodes).
 
@@ -280,8 +304,14 @@ def tree_to_torch(tree: Any) -> Any:
     """Convert every JAX array and numpy array leaf of a pytree to a torch tensor.
 
     Torch tensors and non-array leaves pass through unchanged. The tensors share memory
-    with the arrays (DLPack); treat tensors made from JAX arrays as read-only, since JAX
-    arrays are immutable and other JAX values may share their buffers.
+    with the arrays (DLPack).
+
+    Warning:
+      The tensors alias the JAX arrays' buffers, zero-copy. Writing to them (in-place ops,
+      ``.data``, an optimizer step, ``out=``) **silently changes the JAX arrays**, which JAX
+      assumes immutable and may share between values. Nothing stops such a write here (only
+      calls made by ``to_jax`` refuse them): treat these tensors as read-only, or ``clone()``
+      them first.
 
     Args:
       tree: any pytree.

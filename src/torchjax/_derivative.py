@@ -68,7 +68,9 @@ class _Derivative(DerivedFunction):
     grad_method: str
 
     def arg_path(self, path: tuple) -> str:
-        # Their args are (primals, tangents or cotangents), not the user's (args, kwargs).
+        # Their args are (primals, tangents or cotangents); the primals are inner's args.
+        if path and getattr(path[0], "idx", None) == 0 and len(path) > 1:
+            return self.inner.arg_path(path[1:])
         return "args" + _tree.keystr(path)
 
     def _restricted(self, primals: tuple) -> tuple[Any, list]:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +18,17 @@ import jax
 import numpy as np
 import torch
 
-from torchjax._convert import _tensor_from_capsule, array_to_tensor, narrow_checked, torch_dtype
+from torchjax._compat import storage_id as _storage_id
+from torchjax._compat import storage_use_count as _uses
+from torchjax._compat import tensor_use_count
+from torchjax._convert import (
+    _tensor_from_capsule,
+    array_to_tensor,
+    check_has_data,
+    narrow_checked,
+    torch_dtype,
+)
+from torchjax._guard import release
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -32,6 +43,7 @@ Run = Callable[[list[torch.Tensor]], Sequence[Any]]
 
 
 _DL_CPU = 1  # DLPack's kDLCPU
+_refs = sys.getrefcount  # references: `tensors`, the loop variable, getrefcount's argument
 
 
 def write_output(dst: torch.Tensor, value: torch.Tensor, where: str) -> None:
@@ -42,7 +54,11 @@ def write_output(dst: torch.Tensor, value: torch.Tensor, where: str) -> None:
     """
     if value.dtype is not dst.dtype:
         value = narrow_checked(value, dst.dtype, where)
-    dst.copy_(value)
+    try:
+        dst.copy_(value)
+    except Exception:
+        check_has_data(value, where)  # a meta or sparse output: say which
+        raise
 
 
 def _xla_stream(ctx: Any, buf: Any) -> contextlib.AbstractContextManager:
@@ -72,18 +88,37 @@ def callback_call(
                 _run_into(run, ins, outs, out_paths, torch.from_dlpack)
             return
         # The CPU path, inlined: this runs on every call of a jitted function.
-        results = run([_tensor_from_capsule(b.__dlpack__()) for b in ins])
+        tensors = [_tensor_from_capsule(b.__dlpack__()) for b in ins]
+        results = run(tensors)
         for buf, value, where in zip(outs, results, out_paths, strict=True):
             dst = _tensor_from_capsule(buf.__dlpack__())
             if value.dtype is not dst.dtype:
-                value = narrow_checked(value, dst.dtype, where)
-            dst.copy_(value)
+                write_output(dst, value, where)
+            else:
+                try:
+                    dst.copy_(value)
+                except Exception:
+                    check_has_data(value, where)  # a meta or sparse output: say which
+                    raise
+        results = value = dst = None  # (not del: with no outputs they were never bound)
+        # An input the function kept a reference to (a cache, a hook) gets memory of its own
+        # before XLA reuses the buffer; the common case (none kept) inlined.
+        for t in tensors:
+            if _refs(t) != 3 or tensor_use_count(t) != 1 or _uses(_storage_id(t)) != 1:
+                del t  # release counts the references to each input
+                release(tensors)
+                break
 
     return buffer_callback(host, list(out_structs))(*operands)
 
 
 def _run_into(run: Run, ins: Sequence, outs: Sequence, out_paths: Sequence[str], wrap) -> None:
-    results = run([wrap(b) for b in ins])
+    tensors = [wrap(b) for b in ins]
+    _write_all(run(tensors), outs, out_paths, wrap)
+    release(tensors)
+
+
+def _write_all(results: Sequence, outs: Sequence, out_paths: Sequence[str], wrap) -> None:
     for buf, value, where in zip(outs, results, out_paths, strict=True):
         write_output(wrap(buf), value, where)
 

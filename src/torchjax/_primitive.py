@@ -18,19 +18,21 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from torchjax._compat import ad, batching, core, dispatch, mlir, varying_manual_axes
+from torchjax._compat import jax_config as config
 from torchjax._errors import OutputMismatchError, RuleError
+from torchjax._primitive_ad import flat_batching, flat_jvp, flat_transpose
 from torchjax._pytree_types import (
     _ARRAY,
     _OPERAND_TYPES,
     BoundParams,
     Linear,
     Signature,
+    StaticLeaves,
+    Untyped,
     _arg_path,
     _at_top_level,
-    _broadcast_prefix,
     _check_hashable,
     _eager_type,
     _flatten_checked,
@@ -38,13 +40,14 @@ from torchjax._pytree_types import (
     _out_aval,
     _path_str,
     _rebuild,
+    _store,
 )
 
 _tree = jax.tree_util
 
-# The eager signature of calls whose types abstract_eval could not find: the eager
-# fallback rule computes them (see _def_eager_fallback).
-_WITHOUT_TYPES = object()
+# Output types depend on JAX's x64 mode (a float64 result is float32 while it is off), so
+# it is part of every signature cache key; read on every call, as the state object.
+_x64 = config.enable_x64
 
 
 class PytreePrimitive:
@@ -62,7 +65,8 @@ class PytreePrimitive:
       * ``def_abstract_eval(rule)``: ``rule(*args, **params)`` returns a pytree of
         ``jax.ShapeDtypeStruct``; array leaves arrive as ``jax.core.ShapedArray``
         (they have ``.shape`` and ``.dtype``). Called once per distinct signature
-        (structure, static leaves, shapes, dtypes, params) and cached: keep it pure.
+        (structure, static leaves by type and value, shapes, dtypes, params, x64 mode) and
+        cached with the params: keep it pure.
       * ``def_impl(rule)``: ``rule(*args, **params)`` computes the output pytree eagerly.
       * ``def_lowering(rule)``: a JAX-traceable ``rule(*args, **params)`` used under
         ``jax.jit``. Without one, the impl is traced as JAX code.
@@ -110,6 +114,7 @@ class PytreePrimitive:
         self._flat_impl_rule: Callable | None = None
         self._eager_fallback_rule: Callable | None = None
         self._params_cache: dict[tuple, BoundParams] = {}
+        self._params_home: Callable | None = None
         self._batching_rule: Callable | None = None
         self._jvp_rule: Callable | None = None
         self._transpose_rule: Callable | None = None
@@ -119,11 +124,10 @@ class PytreePrimitive:
         prim.def_abstract_eval(self._flat_abstract_eval)
         prim.def_impl(self._flat_impl)
         mlir.register_lowering(prim, mlir.lower_fun(self._flat_lowering, multiple_results=True))
-        batching.primitive_batchers[prim] = self._flat_batching
-        ad.primitive_jvps[prim] = self._flat_jvp
-        ad.primitive_transposes[prim] = self._flat_transpose
+        batching.primitive_batchers[prim] = functools.partial(flat_batching, self)
+        ad.primitive_jvps[prim] = functools.partial(flat_jvp, self)
+        ad.primitive_transposes[prim] = functools.partial(flat_transpose, self)
         self.primitive = prim
-        self._signature_cache = functools.lru_cache(maxsize=4096)(self._out_signature)
 
     def __repr__(self) -> str:
         return f"PytreePrimitive({self.name!r})"
@@ -131,7 +135,7 @@ class PytreePrimitive:
     # -- rule registration -------------------------------------------------------------
     def def_abstract_eval(self, rule: Callable) -> Callable:
         self._abstract_eval_rule = rule
-        self._signature_cache.cache_clear()
+        self._params_cache.clear()  # and with it the signatures found by the old rule
         return rule
 
     def def_impl(self, rule: Callable | None = None, *, signature: bool = False) -> Any:
@@ -157,13 +161,24 @@ class PytreePrimitive:
     def _def_eager_fallback(self, rule: Callable) -> Callable:
         """Register what an eager call does when abstract_eval fails (private: torch_call's).
 
-        ``rule(error, operands, *, in_tree, statics, params)`` returns the output pytree
-        computed from the concrete operands, or raises (`error` itself where it does not
-        apply). Once it has returned for a signature, later eager calls of that signature
-        skip abstract_eval and call it with ``error=None``. Traced calls still need types:
-        the error stands there.
+        ``rule(error, operands, *, in_tree, statics, params, memo)`` returns the output
+        pytree computed from the concrete operands, or raises (`error` itself where it does
+        not apply). ``memo`` is a dict that lives as long as the signature. Once the rule has
+        returned for a signature, later eager calls of that signature skip abstract_eval and
+        call it with ``error=None`` and the same memo. Traced calls still need types: the
+        error stands there.
         """
         self._eager_fallback_rule = rule
+        return rule
+
+    def _def_params_home(self, rule: Callable) -> Callable:
+        """Register where bound params live (private: torch_call's).
+
+        ``rule(params)`` returns the dict that keeps the `BoundParams` (and with them the
+        signature caches) of bind's keyword `params`, instead of the primitive's global
+        cache: a dict owned by one of the params dies with it.
+        """
+        self._params_home = rule
         return rule
 
     def def_lowering(self, rule: Callable | None = None, *, signature: bool = False) -> Any:
@@ -200,17 +215,31 @@ class PytreePrimitive:
         """bind's keyword params, sorted and checked once; callers that bind the same
         params on every call (to_jax's wrapper) keep the result and call _bind."""
         items = tuple(sorted(params.items()))
+        home = self._params_cache if self._params_home is None else self._params_home(params)
         try:
-            bound = self._params_cache.get(items)
+            bound = home.get(items)
         except TypeError:
             for name, value in items:
                 _check_hashable(value, f"{self.name}.bind keyword param {name!r}")
             raise
         if bound is None:
-            if len(self._params_cache) > 4096:
-                self._params_cache.clear()
-            bound = self._params_cache[items] = BoundParams(items)
+            bound = BoundParams(items)
+            _store(home, items, bound)
         return bound
+
+    def _signature(self, bound: BoundParams, in_tree, statics, avals) -> Signature:
+        """The output signature of a call, found by abstract_eval once and kept in `bound`."""
+        key = (in_tree, statics, avals, _x64.value)
+        signature = bound.signatures.get(key)
+        if signature is None:
+            signature = self._out_signature(in_tree, statics, avals, bound.items)
+            _store(bound.signatures, key, signature)
+        return signature
+
+    def _signature_cache(self, in_tree, statics, avals, user_params) -> Signature:
+        """The signature param of a traced call with keyword params `user_params`."""
+        bound = self._bound_params(dict(user_params))
+        return self._signature(bound, in_tree, statics, avals).traced
 
     def _bind(self, args: tuple, bound: BoundParams) -> Any:
         leaves, in_tree = _tree.tree_flatten(args)
@@ -222,7 +251,8 @@ class PytreePrimitive:
                 statics.append(_ARRAY)
             else:
                 statics.append(leaf)
-        statics_t = tuple(statics)
+        # Type-strict (1, 1.0 and True differ) where there are static leaves at all.
+        statics_t = StaticLeaves(statics) if len(operands) != len(leaves) else tuple(statics)
         user_params = bound.items
         try:
             hash(statics_t)
@@ -233,26 +263,35 @@ class PytreePrimitive:
         if not traced and has_impl and _at_top_level():
             # Eager: what core.bind would do here, minus its trace dispatch, with the
             # signature found from plain shapes and dtypes (cheaper than avals to hash).
-            key = (in_tree, statics_t, *[_eager_type(x) for x in operands])
+            key = (in_tree, statics_t, _x64.value, *[_eager_type(x) for x in operands])
             signature = bound.eager_signatures.get(key)
             if signature is None:
                 avals = tuple(core.typeof(x) for x in operands)
                 try:
-                    signature = self._signature_cache(in_tree, statics_t, avals, user_params)
+                    signature = self._signature(bound, in_tree, statics_t, avals)
                 except Exception as e:
                     if self._eager_fallback_rule is None:
                         raise
+                    untyped = Untyped()
                     out = self._eager_fallback_rule(
-                        e, operands, in_tree=in_tree, statics=statics_t, params=user_params
+                        e,
+                        operands,
+                        in_tree=in_tree,
+                        statics=statics_t,
+                        params=user_params,
+                        memo=untyped.memo,
                     )
-                    bound.eager_signatures[key] = _WITHOUT_TYPES
+                    _store(bound.eager_signatures, key, untyped)
                     return out
-                if len(bound.eager_signatures) > 4096:
-                    bound.eager_signatures.clear()
-                bound.eager_signatures[key] = signature
-            if signature is _WITHOUT_TYPES:
+                _store(bound.eager_signatures, key, signature)
+            if type(signature) is Untyped:
                 return self._eager_fallback_rule(
-                    None, operands, in_tree=in_tree, statics=statics_t, params=user_params
+                    None,
+                    operands,
+                    in_tree=in_tree,
+                    statics=statics_t,
+                    params=user_params,
+                    memo=signature.memo,
                 )
             out_flat = self._flat_impl(
                 *operands,
@@ -268,7 +307,7 @@ class PytreePrimitive:
             # their union and transposition yields cotangents of the right type.
             operands = list(core.auto_insert_reshard(*operands))
         avals = tuple(core.typeof(x) for x in operands)
-        signature = self._signature_cache(in_tree, statics_t, avals, user_params)
+        signature = self._signature(bound, in_tree, statics_t, avals).traced
         out_flat = self.primitive.bind(
             *operands,
             in_tree=in_tree,
@@ -296,9 +335,9 @@ class PytreePrimitive:
                 statics.append(_ARRAY)
             else:
                 statics.append(leaf)
-        signature = self._signature_cache(
-            in_tree, tuple(statics), tuple(avals), tuple(sorted(params.items()))
-        )
+        has_statics = len(avals) != len(statics)
+        statics_t = StaticLeaves(statics) if has_statics else tuple(statics)
+        signature = self._signature(self._bound_params(params), in_tree, statics_t, tuple(avals))
         return signature.out_types
 
     def _raise_unhashable(self, args: tuple) -> None:
@@ -364,76 +403,3 @@ class PytreePrimitive:
             kwargs["signature"] = signature
         out = rule(*args, **kwargs)
         return _flatten_checked(self.name, out, signature.out_tree, signature.out_avals, "lowering")
-
-    def _flat_batching(self, operands, dims, *, in_tree, statics, signature, params):
-        del signature
-        if self._batching_rule is None:
-            raise self._missing("batching", "jax.vmap")
-        args = _rebuild(in_tree, statics, operands)
-        axes = _rebuild(in_tree, statics, dims, fill=None)
-        out, out_axes = self._batching_rule(args, axes, **dict(params))
-        leaves, tree = _tree.tree_flatten(out)
-        flat_axes = _broadcast_prefix(out_axes, tree, "batching", self.name, "out_axes")
-        dims_out = []
-        for leaf, ax in zip(leaves, flat_axes, strict=True):
-            if ax is None:
-                dims_out.append(None)  # JAX's not-mapped marker
-            else:
-                dims_out.append(ax % np.ndim(leaf) if np.ndim(leaf) else ax)
-        return leaves, dims_out
-
-    def _flat_jvp(self, primals, tangents, *, in_tree, statics, signature, params):
-        out_tree, out_avals = signature.out_tree, signature.out_avals
-        if self._jvp_rule is None:
-            raise self._missing("jvp", "forward- and reverse-mode differentiation")
-        primal_args = _rebuild(in_tree, statics, primals)
-        tangent_args = _rebuild(
-            in_tree, statics, [None if type(t) is ad.Zero else t for t in tangents], fill=None
-        )
-        out, out_tangents = self._jvp_rule(primal_args, tangent_args, **dict(params))
-        out_flat = _flatten_checked(self.name, out, out_tree, out_avals, "jvp")
-        if out_tangents is None:
-            tangents_flat = [None] * len(out_flat)
-        else:
-            tangents_flat = _broadcast_prefix(out_tangents, out_tree, "jvp", self.name, "tangents")
-        result = []
-        for t, aval in zip(tangents_flat, out_avals, strict=True):
-            tangent_aval = aval.to_tangent_aval()
-            if t is None or tangent_aval.dtype == jax.dtypes.float0:
-                result.append(ad.Zero(tangent_aval))
-            else:
-                result.append(t)
-        return out_flat, result
-
-    def _flat_transpose(self, cts, *operands, in_tree, statics, signature, params):
-        out_tree = signature.out_tree
-        if self._transpose_rule is None:
-            raise self._missing("transpose", "reverse-mode differentiation (jax.grad, jax.vjp)")
-        ct_tree = _tree.tree_unflatten(out_tree, [None if type(c) is ad.Zero else c for c in cts])
-        marked = [Linear(x.aval) if ad.is_undefined_primal(x) else x for x in operands]
-        args = _rebuild(in_tree, statics, marked)
-        ct_args = self._transpose_rule(ct_tree, *args, **dict(params))
-        if not isinstance(ct_args, tuple | list) or len(ct_args) != len(args):
-            raise OutputMismatchError(
-                f"{self.name}: the transpose rule must return a tuple with one entry per "
-                f"positional argument ({len(args)}), got {type(ct_args).__name__}."
-            )
-        ct_leaves = []
-        for arg_tree, ct in zip(in_tree.children(), ct_args, strict=True):
-            if ct is None:
-                ct_leaves.extend([None] * arg_tree.num_leaves)
-            else:
-                ct_leaves.extend(_broadcast_prefix(ct, arg_tree, "transpose", self.name, "cts"))
-        result = []
-        operand_iter = iter(operands)
-        for static, ct in zip(statics, ct_leaves, strict=True):
-            if static is not _ARRAY:
-                continue
-            x = next(operand_iter)
-            if not ad.is_undefined_primal(x):
-                result.append(None)
-            elif ct is None:
-                result.append(ad.Zero(x.aval.to_tangent_aval()))
-            else:
-                result.append(ct)
-        return result

@@ -3,6 +3,7 @@
 # Split from _primitive.py so the class there reads as bind plus one adapter per rule.
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -61,13 +62,24 @@ class Signature:
     underlying primitive; compares by value (``out_tree``, ``out_avals``).
     """
 
-    __slots__ = ("out_tree", "out_avals", "memo", "_hash", "_out_types")
+    __slots__ = ("out_tree", "out_avals", "memo", "_hash", "_out_types", "_traced")
 
     def __init__(self, out_tree: Any, out_avals: tuple):
         self.out_tree, self.out_avals = out_tree, out_avals
         self.memo: dict = {}
         self._hash = hash((out_tree, out_avals))
         self._out_types = None
+        self._traced: Signature | None = None
+
+    @property
+    def traced(self) -> Signature:
+        """This signature as the params of traced calls carry it: equal to it, with a memo
+        of its own. JAX's caches keep params, so eager work kept in this memo (which may
+        refer to the function) stays out of them and dies with the function."""
+        if self._traced is None:
+            self._traced = Signature(self.out_tree, self.out_avals)
+            self._traced._out_types = self._out_types
+        return self._traced
 
     @property
     def out_types(self) -> Any:
@@ -98,16 +110,68 @@ def _is_operand(x: Any) -> bool:
     return isinstance(x, _OPERAND_TYPES)
 
 
+class Untyped:
+    """An eager signature whose output types abstract_eval could not find: the eager
+    fallback rule computes its calls, keeping per-signature work in ``memo``."""
+
+    __slots__ = ("memo",)
+
+    def __init__(self) -> None:
+        self.memo: dict = {}
+
+
 class BoundParams:
     """A primitive's keyword params as bound: sorted ``(name, value)`` pairs, checked
-    hashable once, and the eager signature cache of calls made with them (keyed by
-    argument structure, static leaves, shapes and dtypes)."""
+    hashable once, and the signature caches of calls made with them: ``signatures`` keyed
+    by (structure, static leaves, avals, x64), ``eager_signatures`` by the same with plain
+    shapes and dtypes in place of avals (cheaper to hash). They live and die with the
+    params, so that a dropped function leaves nothing behind in a global cache."""
 
-    __slots__ = ("items", "eager_signatures")
+    __slots__ = ("items", "eager_signatures", "signatures")
 
     def __init__(self, items: tuple):
         self.items = items
-        self.eager_signatures: dict[tuple, Signature] = {}
+        self.eager_signatures: dict[tuple, Signature | Untyped] = {}
+        self.signatures: dict[tuple, Signature] = {}
+
+
+def _store(cache: dict, key: Any, value: Any) -> None:
+    if len(cache) >= 4096:  # a bound for pathological callers: every call a new signature
+        cache.clear()
+    cache[key] = value
+
+
+def _same_static(a: Any, b: Any) -> bool:
+    """Static leaves as jax.jit compares static arguments, type included: 1, 1.0 and True
+    differ, though Python's == (and hash) identify them; floats also by sign (-0.0 is not
+    0.0: torch.full((2,), -0.0) differs from torch.full((2,), 0.0))."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if type(a) is float:
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    return bool(a == b)
+
+
+class StaticLeaves(tuple):
+    """A signature's static leaves (operands replaced by `_ARRAY`), compared leaf by leaf
+    with `_same_static`: in the eager and abstract-eval caches and in the primitive's
+    params, which JAX's own caches compare with ==."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, tuple)
+            and len(self) == len(other)
+            and all(map(_same_static, self, other))
+        )
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = tuple.__hash__
 
 
 def _path_str(prefix: str, path: tuple) -> str:

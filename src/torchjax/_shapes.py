@@ -2,8 +2,8 @@
 #
 # FakeTensorMode propagates shapes and dtypes through real torch kernels' meta functions,
 # so the function runs exactly as written but touches no memory. The same run catches
-# in-place mutation of inputs (a fake tensor's version counter moves like a real one's),
-# before any real JAX buffer is handed to torch. Results are cached by PytreePrimitive,
+# writes into inputs, by any route (_guard.WriteGuard), before any real JAX buffer is
+# handed to torch. Results are cached by PytreePrimitive,
 # once per (function, structure, static leaves, shapes, dtypes).
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from torchjax._compat import (
     unset_fake_temporarily,
 )
 from torchjax._convert import canonical_jax_dtype, torch_dtype
-from torchjax._errors import InPlaceMutationError, OutputMismatchError
+from torchjax._errors import ConversionError, OutputMismatchError
+from torchjax._guard import WriteGuard, check_versions
 
 _tree = jax.tree_util
 
@@ -48,6 +49,7 @@ _FAKE_MESSAGES = (
     "data-dependent",
     "data dependent",
     "doesn't have storage",
+    "data is not allocated",
     "fake tensor",
     "faketensor",
     "meta tensor",
@@ -55,17 +57,6 @@ _FAKE_MESSAGES = (
     "tensor subclass",
     "GuardOnDataDependentSymNode",
 )
-
-INPLACE_MESSAGE = """\
-{name} modifies its input {path} in place ({how}). JAX arrays are immutable and torchjax
-hands torch the caller's buffer without a copy, so this would silently change the caller's
-array. Clone the input first:
-
-    def {short}(x):
-        x = x.clone()   # instead of modifying the argument
-        x.add_(1)
-        return x
-"""
 
 
 def function_name(fn: Any) -> str:
@@ -86,21 +77,21 @@ def _path_of(path: tuple) -> str:
     return "args" + _tree.keystr(path)
 
 
-def check_versions(tensors: list, versions: list, paths: list, name: str, how: str) -> None:
-    """Raise InPlaceMutationError naming the first input whose version counter moved."""
-    for t, v, path in zip(tensors, versions, paths, strict=True):
-        if tensor_version(t) != v:
-            raise InPlaceMutationError(
-                INPLACE_MESSAGE.format(name=name, path=path, how=how, short=name.rsplit(".", 1)[-1])
-            )
-
-
 def output_struct(path: tuple, leaf: Any, name: str) -> jax.ShapeDtypeStruct:
     """The JAX type of one output leaf of a torch function (tensor or Python number)."""
     if isinstance(leaf, torch.Tensor):
         return jax.ShapeDtypeStruct(tuple(leaf.shape), canonical_jax_dtype(leaf.dtype))
     if isinstance(leaf, bool | int | float | complex):
-        dtype = jax.dtypes.canonicalize_dtype(np.asarray(leaf).dtype)
+        dtype = jax.dtypes.canonicalize_dtype(np.result_type(type(leaf)))
+        if isinstance(leaf, int) and not isinstance(leaf, bool):
+            info = np.iinfo(dtype)
+            if not info.min <= leaf <= info.max:
+                raise ConversionError(
+                    f"{name} returned the Python int {leaf} at out{_tree.keystr(path)}, which "
+                    f"does not fit {dtype}, its type as a JAX array"
+                    f"{'' if jax.config.jax_enable_x64 else ' while x64 is off'}. Return a "
+                    f"tensor of a dtype that holds it, or a smaller number."
+                )
         return jax.ShapeDtypeStruct((), dtype)
     raise OutputMismatchError(
         f"{name} returned a {type(leaf).__name__} at out{_tree.keystr(path)}; a function "
@@ -144,7 +135,7 @@ def fake_eval(fn: Any, args: tuple, name: str, describe: Any = None) -> Any:
       describe: maps a leaf's key path to its name in messages (default ``args[i]...``).
 
     Raises:
-      InPlaceMutationError: `fn` modified an input in place.
+      InPlaceMutationError: `fn` writes into an input (or changes one in place).
       Exception: whatever `fn` raised on fake tensors; callers add the context.
     """
     device = default_torch_device()
@@ -162,7 +153,8 @@ def fake_eval(fn: Any, args: tuple, name: str, describe: Any = None) -> Any:
             else:
                 values.append(leaf)
         versions = [tensor_version(t) for t in fakes]
-        out = fn(*_tree.tree_unflatten(tree, values))
+        with WriteGuard(fakes, paths, name):
+            out = fn(*_tree.tree_unflatten(tree, values))
         check_versions(fakes, versions, paths, name, "seen while inferring output shapes")
     return _tree.tree_map_with_path(lambda p, x: output_struct(p, x, name), out)
 

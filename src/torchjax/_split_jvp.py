@@ -152,6 +152,19 @@ def _batch(args: tuple, axes: tuple, *, fn: Any, options: Any) -> tuple[Any, Any
         out = jax.tree_util.tree_leaves(out)
         nothing = tuple(jax.numpy.zeros(t.shape, t.dtype) for t in TapedFunction.residual_types())
         return (*out, *nothing), (*_broadcast(out_axes, len(out)), None, None)
+    if isinstance(fn, VjpFunction) and fn.pair:
+        *head_axes, ct_axes, more_axes = axes
+        if not any(a is not None for a in jax.tree_util.tree_leaves((head_axes, ct_axes))):
+            # Only the second cotangents are batched (jax.jacfwd of a VJP in its cotangents):
+            # the first pullback stays unbatched, as JAX expects of a primal output.
+            single = dataclasses.replace(fn, pair=False)
+            *head, cts, more = args
+            value = torch_call_p.bind(*head, cts, fn=single, options=options)
+            t_out, t_axes = _batch(
+                (*head, more), (*head_axes, more_axes), fn=single, options=options
+            )
+            t_out = jax.tree_util.tree_leaves(t_out)
+            return (*value, *t_out), (*[None] * len(value), *_broadcast(t_axes, len(t_out)))
     if isinstance(fn, VjpFunction) and options.vmap_method == "torch":
         if not any(a is not None for a in jax.tree_util.tree_leaves(axes[:-1])):
             level = tuple(axes[-1])  # the cotangents: one array each, so one axis each

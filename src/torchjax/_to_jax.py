@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -116,4 +117,15 @@ def to_jax(
             _raise_unhashable(user, args, kwargs)
             raise
 
+    # The params (in user.bound_params) refer back to `user`; emptying that dict when the
+    # wrapper dies frees the function, its closure and its signature caches at once,
+    # without waiting for the cycle collector. Held weakly: where fn itself refers back to
+    # the wrapper (a module's forward and its variants), that is one cycle, collected whole.
+    weakref.finalize(wrapped, _forget, weakref.ref(user))
     return wrapped
+
+
+def _forget(user_ref: weakref.ref) -> None:
+    user = user_ref()
+    if user is not None:
+        user.bound_params.clear()

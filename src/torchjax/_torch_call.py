@@ -14,15 +14,15 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import torch
 
-from torchjax._compat import is_zerotensor, set_grad_enabled, tensor_version
-from torchjax._convert import array_to_tensor, canonical_torch_dtype, tensor_to_jax, torch_dtype
+from torchjax._call_plan import CallPlan, number_tensor, plain, to_jax_outputs
+from torchjax._compat import array_committed, sharding_device
+from torchjax._convert import SUPPORTED_DTYPES, _ArrayImpl, array_to_tensor, torch_dtype
 from torchjax._errors import (
     ConversionError,
     OutputMismatchError,
@@ -33,7 +33,6 @@ from torchjax._lowering import callback_call
 from torchjax._primitive import PytreePrimitive
 from torchjax._pytree_types import _ARRAY, _is_operand
 from torchjax._shapes import (
-    check_versions,
     fake_eval,
     fake_runs,
     fake_target,
@@ -44,6 +43,7 @@ from torchjax._shapes import (
 )
 from torchjax._torch_outputs import as_jax_tree
 
+_SingleDevice = jax.sharding.SingleDeviceSharding
 _tree = jax.tree_util
 
 VMAP_METHODS = ("torch", "sequential", "expand_dims", "broadcast_all")
@@ -70,6 +70,10 @@ class UserFunction:
 
     fn: Callable
     result_shape_dtypes: Any = None
+    # The primitive's params bound with this function or one derived from it, kept here
+    # rather than in a global cache so that they die with the function (to_jax empties it
+    # when its wrapper dies: the params refer back to this object).
+    bound_params: dict = dataclasses.field(default_factory=dict, repr=False)
 
     # Torch runs it with grad mode off: JAX does the differentiating, and a graph recorded
     # for closed-over parameters that require grad would only cost time and memory.
@@ -99,7 +103,25 @@ class UserFunction:
                 jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.core.ShapedArray) else x
             )
             spec = spec(*_tree.tree_map(to_struct, args), **_tree.tree_map(to_struct, kwargs))
-        return spec
+        return _tree.tree_map_with_path(self._declared_leaf, spec)
+
+    def _declared_leaf(self, path: tuple, leaf: Any) -> jax.ShapeDtypeStruct:
+        """A result_shape_dtypes leaf, checked, with JAX's dtype for it (a float64 declared
+        while x64 is off is float32, eagerly as under jit)."""
+        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+        try:
+            if dtype is None:
+                raise TypeError
+            shape = tuple(int(d) for d in shape)
+            dtype = jax.dtypes.canonicalize_dtype(dtype)
+            torch_dtype(dtype)
+        except (TypeError, ValueError):
+            raise OutputMismatchError(
+                f"result_shape_dtypes of {self.name} has a {type(leaf).__name__} at "
+                f"out{_tree.keystr(path)}; every leaf must be a jax.ShapeDtypeStruct(shape, "
+                f"dtype) of a dtype torch has, e.g. jax.ShapeDtypeStruct((3,), jnp.float32)."
+            ) from None
+        return jax.ShapeDtypeStruct(shape, dtype)
 
     def fake_types(self, args: tuple) -> Any:
         """Output types from one run on fake tensors (of the original, if compiled)."""
@@ -170,10 +192,36 @@ class DerivedFunction:
 torch_call_p = PytreePrimitive("torch_call")
 
 
+@torch_call_p._def_params_home
+def _params_home(params: dict) -> dict:
+    """A call's params (and their signature caches) live on the user's function: a
+    dropped wrapper leaves nothing in a global cache."""
+    return params["fn"].root.bound_params
+
+
+_DTYPES_OK: set = set()  # input dtypes known to convert
+
+
+def _check_input_dtype(fn: Any, path: tuple, dtype: Any) -> None:
+    try:
+        torch_dtype(dtype)
+    except ConversionError:
+        is_key = jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+        hint = "Pass jax.random.key_data(key) instead. " if is_key else ""
+        raise ConversionError(
+            f"{fn.arg_path(path)} has dtype {dtype}, which torch has no equivalent of. "
+            f"{hint}Cast it to one of: {SUPPORTED_DTYPES}."
+        ) from None
+    _DTYPES_OK.add(dtype)
+
+
 @torch_call_p.def_abstract_eval
 def _abstract_eval(*args: Any, fn: Any, options: Options) -> Any:
     """Output types of ``fn(*args)``: declared by the user, found on fake tensors (the
     user's function), or derived from the inner function's (every derived function)."""
+    for path, leaf in _tree.tree_flatten_with_path(args)[0]:
+        if isinstance(leaf, jax.core.ShapedArray) and leaf.dtype not in _DTYPES_OK:
+            _check_input_dtype(fn, path, leaf.dtype)
     if isinstance(fn, DerivedFunction):
         return fn.declared_shapes(options, *args)
     for path, leaf in _tree.tree_flatten_with_path(args)[0]:
@@ -188,149 +236,9 @@ def _abstract_eval(*args: Any, fn: Any, options: Options) -> Any:
     return fn.fake_types(args)
 
 
-@functools.lru_cache(maxsize=1024)
-def _leaf_paths(tree: Any) -> list[tuple]:
-    """The key path of every leaf of a treedef, in flattening order (for messages)."""
-    dummy = _tree.tree_unflatten(tree, range(tree.num_leaves))
-    return [p for p, _ in _tree.tree_flatten_with_path(dummy)[0]]
-
-
-class _CallPlan:
-    """What one call signature fixes: where the tensors go, what must come out.
-
-    Built once per (function, argument structure, static leaves, output types): once per
-    jit lowering, and cached for eager calls, so a call only fills in tensors, runs fn and
-    checks the outputs. Shared by the eager impl and the jit callback.
-    """
-
-    def __init__(self, fn: Any, in_tree: Any, template: tuple, structs: tuple, out_tree: Any):
-        self.fn, self.name = fn, fn.root.name
-        # Derived functions run with grad mode on, as torch.func would run them: torch picks
-        # other kernels without it (a no-grad backward whose forward-mode derivative is
-        # wrong for det, solve, ..., or missing for silu, mish, group_norm).
-        self.grad_mode = fn.grad_mode
-        self.in_tree, self.out_tree = in_tree, out_tree
-        self.template = list(template)
-        self.positions = [i for i, x in enumerate(template) if x is _ARRAY]
-        self.structs = structs
-        self.out_dtypes = [torch_dtype(s.dtype) for s in structs]
-        self.out_shapes = [tuple(s.shape) for s in structs]
-        paths = _leaf_paths(out_tree) if out_tree is not None else ()  # None: not yet known
-        self.out_paths = ["out" + _tree.keystr(p) for p in paths]
-        # Fast paths for the common call, fn(x, y) -> tensor: no template to fill, no
-        # argument tree to rebuild, no output tree to flatten.
-        self.has_statics = len(self.positions) != len(template)
-        positional = _tree.tree_structure((tuple(range(in_tree.num_leaves)), {}))
-        flat_user_call = type(fn) is UserFunction and in_tree == positional
-        self.direct = fn.fn if flat_user_call and not self.has_statics else None
-        self.one_tensor_out = (
-            out_tree is not None and out_tree.num_nodes == 1 and out_tree.num_leaves == 1
-        )
-
-    def invoke(self, tensors: list[torch.Tensor]) -> Any:
-        """fn on `tensors`, as it returns; raises as __call__ does, before any output check."""
-        versions = [tensor_version(t) for t in tensors]
-        grad_was_enabled = torch.is_grad_enabled()
-        set_grad_enabled(self.grad_mode)
-        try:
-            if self.direct is not None:
-                out = as_jax_tree(self.direct(*tensors))
-            else:
-                out = self.fn(*_tree.tree_unflatten(self.in_tree, self._fill(tensors)))
-        except TorchJaxError:
-            raise
-        except Exception as e:
-            err = self.fn.call_failure(e)
-            if err is e:
-                raise
-            raise err from e
-        finally:
-            set_grad_enabled(grad_was_enabled)
-        if versions != [tensor_version(t) for t in tensors]:
-            self._raise_mutated(tensors, versions)
-        return out
-
-    def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Run fn on `tensors`; return its flat outputs as tensors of the declared shapes.
-
-        Re-raises fn's own exception (a transform's failure as VmapError or AutodiffError),
-        raises InPlaceMutationError if fn modified an input after all (the fake run catches
-        that first; version counters are the backstop), and OutputMismatchError if an output
-        differs from the declared or inferred one. Outputs may still be 64-bit where JAX's
-        x64 mode is off: the conversion that follows narrows them.
-        """
-        out = self.invoke(tensors)
-        if self.one_tensor_out and isinstance(out, torch.Tensor) and not self.grad_mode:
-            if out.dtype is self.out_dtypes[0] and out.shape == self.out_shapes[0]:
-                return [out]  # the common case, checked
-            results = [out]
-        else:
-            results, got_tree = _tree.tree_flatten(out)
-            if got_tree != self.out_tree:
-                raise OutputMismatchError(
-                    f"{self.name} returned an output of structure {got_tree}, but "
-                    f"{self.out_tree} was declared (result_shape_dtypes) or inferred "
-                    f"(fake-tensor run)."
-                )
-        if self.grad_mode:
-            results = [_plain(v) for v in results]
-        for k, value in enumerate(results):
-            if not isinstance(value, torch.Tensor) or value.dtype is not self.out_dtypes[k]:
-                results[k] = self._coerce(k, value)
-            elif value.shape != self.out_shapes[k]:
-                self._raise_mismatch(k, value)
-        return results
-
-    def _fill(self, tensors: list[torch.Tensor]) -> list:
-        """The argument leaves: the static leaves with the tensors in their slots."""
-        if not self.has_statics:
-            return tensors
-        leaves = self.template.copy()
-        for i, t in zip(self.positions, tensors, strict=True):
-            leaves[i] = t
-        return leaves
-
-    def _coerce(self, k: int, value: Any) -> torch.Tensor:
-        want = self.out_dtypes[k]
-        if not isinstance(value, torch.Tensor):
-            if isinstance(value, bool | int | float | complex):
-                return torch.tensor(value, dtype=want)
-            raise OutputMismatchError(
-                f"{self.name} returned a {type(value).__name__} at {self.out_paths[k]}; a "
-                f"function wrapped by to_jax must return tensors, Python numbers, or pytrees "
-                f"of them."
-            )
-        if value.shape != self.out_shapes[k] or canonical_torch_dtype(value.dtype) != want:
-            self._raise_mismatch(k, value)
-        return value
-
-    def _raise_mismatch(self, k: int, value: torch.Tensor) -> None:
-        s = self.structs[k]
-        raise OutputMismatchError(
-            f"{self.name} returned {str(value.dtype).removeprefix('torch.')}"
-            f"{list(value.shape)} at {self.out_paths[k]}, but {s.dtype}{list(s.shape)} was "
-            f"declared (result_shape_dtypes) or inferred (fake-tensor run). Make "
-            f"result_shape_dtypes match what the function returns, or make the function's "
-            f"output independent of the input values."
-        )
-
-    def _raise_mutated(self, tensors: list, versions: list) -> None:
-        paths = _leaf_paths(self.in_tree)
-        names = [self.fn.root.arg_path(paths[i]) for i in self.positions]
-        check_versions(tensors, versions, names, self.name, "seen after the real call")
-
-
-def _plain(value: Any) -> Any:
-    """A derived call's output as plain data: torch.func may return a lazy ZeroTensor (a
-    tangent or gradient known to be zero, which has no storage for DLPack), and autograd
-    outputs that are still on a tape."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    if value.requires_grad:
-        value = value.detach()
-    if is_zerotensor(value):
-        value = torch.zeros(value.shape, dtype=value.dtype, device=value.device)
-    return value
+def _plan(fn: Any, in_tree: Any, template: tuple, structs: tuple, out_tree: Any) -> CallPlan:
+    flat_fn = fn.fn if type(fn) is UserFunction else None
+    return CallPlan(fn, in_tree, template, structs, out_tree, flat_fn)
 
 
 def _plan_parts(args: tuple, out_types: Any) -> tuple:
@@ -341,13 +249,13 @@ def _plan_parts(args: tuple, out_types: Any) -> tuple:
     return operands, in_tree, template, tuple(structs), out_tree
 
 
-def _eager_plan(in_tree: Any, statics: tuple, signature: Any, params: tuple) -> _CallPlan:
+def _eager_plan(in_tree: Any, statics: tuple, signature: Any, params: tuple) -> CallPlan:
     """The call plan of an eager signature, built on its first call and kept in its memo."""
     plan = signature.memo.get("plan")
     if plan is None:
         fn = dict(params)["fn"]
         structs, out_tree = _tree.tree_flatten(signature.out_types)
-        plan = signature.memo["plan"] = _CallPlan(fn, in_tree, statics, tuple(structs), out_tree)
+        plan = signature.memo["plan"] = _plan(fn, in_tree, statics, tuple(structs), out_tree)
     return plan
 
 
@@ -360,19 +268,39 @@ def _impl(operands: tuple, *, in_tree: Any, statics: tuple, signature: Any, para
     if fake_runs.depth or torch.is_inference_mode_enabled():
         return _impl_in_plain_mode(operands, in_tree, statics, signature, params)
     plan = _eager_plan(in_tree, statics, signature, params)
-    tensors = [array_to_tensor(x) for x in operands]
-    return _to_jax_outputs(plan(tensors), tensors, plan.out_paths)
+    device = None
+    for x in operands:
+        if type(x) is _ArrayImpl and array_committed(x):
+            device = _committed_device(operands, plan)
+            break
+    return to_jax_outputs(plan(_tensors(operands, plan)), plan.out_paths, device)
 
 
-def _to_jax_outputs(results: list, tensors: list, paths: list) -> list:
-    # Each input tensor wraps a whole JAX buffer, so its data_ptr is its storage's start.
-    inputs = {t.data_ptr() for t in tensors if t.numel()}
-    outs = []
-    for value, where in zip(results, paths, strict=True):
-        if value.numel() and value.untyped_storage().data_ptr() in inputs:
-            value = value.clone()  # an output aliasing an input would share its JAX buffer
-        outs.append(tensor_to_jax(value, where))
-    return outs
+def _tensors(operands: Any, plan: CallPlan) -> list[torch.Tensor]:
+    try:
+        return [array_to_tensor(x) for x in operands]
+    except ConversionError:
+        for k, x in enumerate(operands):
+            array_to_tensor(x, plan.input_path(k))  # raises again, naming the argument
+        raise
+
+
+def _committed_device(operands: Any, plan: CallPlan) -> Any:
+    """The device eager outputs go to: that of the inputs committed to one (as JAX puts
+    its own results), or None (JAX's default CPU device) where none is."""
+    device = None
+    for k, x in enumerate(operands):
+        if type(x) is _ArrayImpl and array_committed(x):
+            d = sharding_device(x.sharding) if type(x.sharding) is _SingleDevice else None
+            if device is None:
+                device = d
+            elif d is not device:
+                raise ConversionError(
+                    f"{plan.input_path(k)} is committed to {d}, but an earlier argument to "
+                    f"{plan.name} is committed to {device}. Put the arguments on one device "
+                    f"(jax.device_put)."
+                )
+    return device
 
 
 def _impl_in_plain_mode(operands, in_tree, statics, signature, params) -> list:
@@ -391,36 +319,45 @@ def _impl_in_plain_mode(operands, in_tree, statics, signature, params) -> list:
 
 
 @torch_call_p._def_eager_fallback
-def _real_run(error: Exception | None, operands: tuple, *, in_tree, statics, params) -> Any:
+def _real_run(error: Exception | None, operands: tuple, *, in_tree, statics, params, memo) -> Any:
     """An eager call whose output types could not be found without data: run it for real
     and take the types from the outputs.
 
     `error` is why the types could not be found, on the first such call of a signature;
-    None on later ones. That first call runs on copies of the inputs, so a function that
-    writes into its inputs raises InPlaceMutationError with the caller's arrays untouched;
-    later calls of the signature run zero-copy, with the version counters as the backstop,
-    as every call after a fake run does. A failure of the real run is fn's own.
+    None on later ones. The call runs behind the same in-place guard as any other (its
+    inputs refuse writes), with a plan kept in the signature's `memo`. A failure of the
+    real run is fn's own.
     """
     if isinstance(error, TorchJaxError) and not isinstance(error, ShapeInferenceError):
         raise error
     if fake_runs.depth or torch.is_inference_mode_enabled():
         with real_mode(), torch.inference_mode(False):
-            return _real_run(error, operands, in_tree=in_tree, statics=statics, params=params)
-    fn = dict(params)["fn"]
-    tensors = [array_to_tensor(x) for x in operands]
-    if error is not None:
-        tensors = [t.clone() for t in tensors]
-    plan = _CallPlan(fn, in_tree, statics, (), None)
-    out = plan.invoke(tensors)
-    flat, out_tree = _tree.tree_flatten_with_path(out)
-    results = []
-    for path, leaf in flat:
-        struct = output_struct(path, leaf, plan.name)  # raises for what is not an array
+            return _real_run(
+                error, operands, in_tree=in_tree, statics=statics, params=params, memo=memo
+            )
+    plan = memo.get("plan")
+    if plan is None:
+        plan = memo["plan"] = _plan(dict(params)["fn"], in_tree, statics, (), None)
+    device = _committed_device(operands, plan)
+    results, out_tree, paths = _typed_outputs(plan, _tensors(operands, plan))
+    return _tree.tree_unflatten(out_tree, to_jax_outputs(results, paths, device))
+
+
+def _typed_outputs(plan: CallPlan, tensors: list) -> tuple[list, Any, list]:
+    """fn's flat outputs as tensors, with their structure and paths; raises for what is
+    not an array."""
+    flat, out_tree = _tree.tree_flatten_with_path(plan.invoke(tensors))
+    results, paths = [], []
+    while flat:  # popped, so that each output's references are all in `results`
+        path, leaf = flat.pop(0)
+        where = "out" + _tree.keystr(path)
+        struct = output_struct(path, leaf, plan.name)
         if not isinstance(leaf, torch.Tensor):
-            leaf = torch.tensor(leaf, dtype=torch_dtype(struct.dtype))
-        results.append(_plain(leaf))
-    arrays = _to_jax_outputs(results, tensors, ["out" + _tree.keystr(p) for p, _ in flat])
-    return _tree.tree_unflatten(out_tree, arrays)
+            leaf = number_tensor(leaf, torch_dtype(struct.dtype), where)
+        results.append(plain(leaf))
+        paths.append(where)
+        del leaf
+    return results, out_tree, paths
 
 
 @torch_call_p.def_lowering(signature=True)
@@ -428,6 +365,6 @@ def _lowering(*args: Any, fn: Any, options: Options, signature: Any) -> Any:
     """Under jit: a buffer_callback that runs fn on XLA's buffers (see _lowering.py)."""
     del options
     operands, *parts = _plan_parts(args, signature.out_types)
-    plan = _CallPlan(fn, *parts)
+    plan = _plan(fn, *parts)
     outs = callback_call(plan, operands, plan.structs, plan.out_paths)
     return _tree.tree_unflatten(plan.out_tree, outs)

@@ -1,0 +1,277 @@
+# The call plan: what one call signature fixes, and how one real call of fn goes.
+#
+# A plan is built once per signature (function, argument structure, static leaves, output
+# types): once per jit lowering, and kept in the signature's memo for eager calls. A call
+# then only fills in tensors, runs fn behind the in-place guard (_guard.py), and checks the
+# outputs against the declared or inferred types. The eager impl and the jit callback share
+# it, so both see the same checks and the same errors.
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import torch
+
+from torchjax._compat import is_zerotensor, set_grad_enabled, tensor_version
+from torchjax._convert import canonical_torch_dtype, check_has_data, tensor_to_jax, torch_dtype
+from torchjax._errors import ConversionError, OutputMismatchError, TorchJaxError
+from torchjax._guard import (
+    check_versions,
+    inplace_error,
+    is_private,
+    is_refusal,
+    refuse_writes,
+    same_bytes,
+)
+from torchjax._pytree_types import _ARRAY
+from torchjax._torch_outputs import as_jax_tree
+
+_tree = jax.tree_util
+_version = tensor_version
+
+_WROTE = (
+    "a write into its memory, directly or through a view, .data, a storage or an out= "
+    "argument; torch refused it, and the caller's array is unchanged"
+)
+_ON_COPY = "an in-place op, seen on the copy this function runs on"
+
+
+@functools.lru_cache(maxsize=1024)
+def leaf_paths(tree: Any) -> list[tuple]:
+    """The key path of every leaf of a treedef, in flattening order (for messages)."""
+    dummy = _tree.tree_unflatten(tree, range(tree.num_leaves))
+    return [p for p, _ in _tree.tree_flatten_with_path(dummy)[0]]
+
+
+class CallPlan:
+    """What one call signature fixes: where the tensors go, what must come out.
+
+    Args:
+      fn: the torch callable (UserFunction or a DerivedFunction).
+      in_tree, template: the argument structure and its leaves, `_ARRAY` where a tensor goes.
+      structs, out_tree: the declared or inferred outputs (out_tree None: not yet known).
+      flat_fn: the user's own function, to call directly when the call is ``fn(x, y)``.
+    """
+
+    def __init__(self, fn, in_tree, template, structs, out_tree, flat_fn: Callable | None):
+        self.fn, self.name = fn, fn.root.name
+        # Derived functions run with grad mode on, as torch.func would run them: torch picks
+        # other kernels without it (a no-grad backward whose forward-mode derivative is
+        # wrong for det, solve, ..., or missing for silu, mish, group_norm).
+        self.grad_mode = fn.grad_mode
+        self.in_tree, self.out_tree = in_tree, out_tree
+        self.template = list(template)
+        self.positions = [i for i, x in enumerate(template) if x is _ARRAY]
+        self.structs = structs
+        self.out_dtypes = [torch_dtype(s.dtype) for s in structs]
+        self.out_shapes = [tuple(s.shape) for s in structs]
+        paths = leaf_paths(out_tree) if out_tree is not None else ()
+        self.out_paths = ["out" + _tree.keystr(p) for p in paths]
+        # Fast paths for the common call, fn(x, y) -> tensor: no template to fill, no
+        # argument tree to rebuild, no output tree to flatten.
+        self.has_statics = len(self.positions) != len(template)
+        positional = _tree.tree_structure((tuple(range(in_tree.num_leaves)), {}))
+        self.direct = flat_fn if in_tree == positional and not self.has_statics else None
+        self.one_tensor_out = (
+            out_tree is not None and out_tree.num_nodes == 1 and out_tree.num_leaves == 1
+        )
+        # Set once fn asked a protected input for a writable pointer without writing (a
+        # reader such as .numpy() or a compiled kernel): then it runs on copies.
+        self.on_copies = False
+
+    def invoke(self, tensors: list[torch.Tensor]) -> Any:
+        """fn on `tensors`, as it returns; raises as __call__ does, before any output check.
+
+        `tensors` are fresh (version 0), made for this call. Their storages refuse writes
+        during it (see _guard.py): a refusal runs fn again on copies, and a copy that
+        changed is an InPlaceMutationError; a version counter that moved all the same is an
+        in-place view op (t_), rejected too.
+        """
+        if self.on_copies:
+            return self._invoke_on_copies(tensors, compare=False)
+        for t in tensors:
+            refuse_writes(t)
+        grad_was_enabled = torch.is_grad_enabled()
+        set_grad_enabled(self.grad_mode)
+        refused = False
+        try:
+            if self.direct is not None:
+                out = as_jax_tree(self.direct(*tensors))
+            else:
+                out = self.fn(*_tree.tree_unflatten(self.in_tree, self._fill(tensors)))
+        except TorchJaxError:
+            raise
+        except Exception as e:
+            if not is_refusal(e):
+                self._raise_failure(e)
+            refused = True  # handled below, outside this except: no chained traceback
+        finally:
+            set_grad_enabled(grad_was_enabled)
+        if refused:
+            return self._invoke_on_copies(tensors, compare=True)
+        if any(map(_version, tensors)):
+            self._raise_mutated(tensors)
+        return out
+
+    def _run(self, tensors: list[torch.Tensor]) -> Any:
+        grad_was_enabled = torch.is_grad_enabled()
+        set_grad_enabled(self.grad_mode)
+        try:
+            if self.direct is not None:
+                return as_jax_tree(self.direct(*tensors))
+            return self.fn(*_tree.tree_unflatten(self.in_tree, self._fill(tensors)))
+        finally:
+            set_grad_enabled(grad_was_enabled)
+
+    def _raise_failure(self, error: Exception) -> None:
+        err = self.fn.call_failure(error)
+        if err is error:
+            raise error
+        raise err from error
+
+    def _invoke_on_copies(self, tensors: list[torch.Tensor], compare: bool) -> Any:
+        """fn on copies of `tensors`; with `compare`, each copy must still equal its input."""
+        copies = [t.clone() for t in tensors]
+        try:
+            out = self._run(copies)
+        except TorchJaxError:
+            raise
+        except Exception as e:
+            self._raise_failure(e)
+        for k, (t, c) in enumerate(zip(tensors, copies, strict=True)):
+            if compare and (tensor_version(c) or not same_bytes(t, c)):
+                raise inplace_error(self.name, self.input_path(k), _WROTE)
+            if tensor_version(c):
+                raise inplace_error(self.name, self.input_path(k), _ON_COPY)
+        self.on_copies = True
+        return out
+
+    def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run fn on `tensors`; return its flat outputs as tensors of the declared shapes.
+
+        Re-raises fn's own exception (a transform's failure as VmapError or AutodiffError),
+        raises InPlaceMutationError if fn tried to write into an input (the fake run
+        catches that first where there is one), and OutputMismatchError if an output
+        differs from the declared or inferred one. Outputs may still be 64-bit where JAX's
+        x64 mode is off: the conversion that follows narrows them.
+        """
+        out = self.invoke(tensors)
+        if self.one_tensor_out and isinstance(out, torch.Tensor) and not self.grad_mode:
+            if out.dtype is self.out_dtypes[0] and out.shape == self.out_shapes[0]:
+                return [out]  # the common case, checked
+            results = [out]
+        else:
+            results, got_tree = _tree.tree_flatten(out)
+            if got_tree != self.out_tree:
+                self._raise_structure(got_tree)
+        del out  # the outputs' only references are now in `results` (see is_private)
+        if self.grad_mode:
+            results = [plain(v) for v in results]
+        for k in range(len(results)):
+            value = results[k]
+            if not isinstance(value, torch.Tensor) or value.dtype is not self.out_dtypes[k]:
+                results[k] = self._coerce(k, value)
+            elif value.shape != self.out_shapes[k]:
+                self._raise_mismatch(k, value)
+        return results
+
+    def _fill(self, tensors: list[torch.Tensor]) -> list:
+        """The argument leaves: the static leaves with the tensors in their slots."""
+        if not self.has_statics:
+            return tensors
+        leaves = self.template.copy()
+        for i, t in zip(self.positions, tensors, strict=True):
+            leaves[i] = t
+        return leaves
+
+    def _coerce(self, k: int, value: Any) -> torch.Tensor:
+        want = self.out_dtypes[k]
+        if not isinstance(value, torch.Tensor):
+            if isinstance(value, bool | int | float | complex):
+                return number_tensor(value, want, self.out_paths[k])
+            raise OutputMismatchError(
+                f"{self.name} returned a {type(value).__name__} at {self.out_paths[k]}; a "
+                f"function wrapped by to_jax must return tensors, Python numbers, or pytrees "
+                f"of them."
+            )
+        if value.shape != self.out_shapes[k] or canonical_torch_dtype(value.dtype) != want:
+            self._raise_mismatch(k, value)
+        return value
+
+    def _raise_structure(self, got: Any) -> None:
+        text = (
+            f"{self.name} returned an output of structure {got}, but {self.out_tree} was "
+            f"declared (result_shape_dtypes) or inferred (fake-tensor run)."
+        )
+        if str(got) == str(self.out_tree):
+            text += (
+                " The two print alike, so a node's class differs between calls: a namedtuple "
+                "or other class created inside the function on every call is a new class "
+                "each time. Define it once, at module level."
+            )
+        raise OutputMismatchError(text)
+
+    def _raise_mismatch(self, k: int, value: torch.Tensor) -> None:
+        s = self.structs[k]
+        raise OutputMismatchError(
+            f"{self.name} returned {str(value.dtype).removeprefix('torch.')}"
+            f"{list(value.shape)} at {self.out_paths[k]}, but {s.dtype}{list(s.shape)} was "
+            f"declared (result_shape_dtypes) or inferred (fake-tensor run). Make "
+            f"result_shape_dtypes match what the function returns, or make the function's "
+            f"output independent of the input values."
+        )
+
+    def input_path(self, k: int) -> str:
+        return self.fn.arg_path(leaf_paths(self.in_tree)[self.positions[k]])
+
+    def _raise_mutated(self, tensors: list) -> None:
+        names = [self.input_path(k) for k in range(len(tensors))]
+        check_versions(tensors, [0] * len(tensors), names, self.name, "seen after the real call")
+
+
+def number_tensor(value: bool | int | float | complex, dtype: torch.dtype, where: str):
+    """A Python number output as a 0-d tensor of `dtype`; an int that does not fit raises."""
+    try:
+        return torch.tensor(value, dtype=dtype)
+    except (RuntimeError, OverflowError):
+        raise ConversionError(
+            f"{where}: the Python number {value} does not fit {dtype}, its type as a JAX "
+            f"array{'' if jax.config.jax_enable_x64 else ' while x64 is off'}. Return a "
+            f"tensor of a wider dtype"
+            f"{'' if jax.config.jax_enable_x64 else ', and enable x64'}, or a smaller number."
+        ) from None
+
+
+def plain(value: Any) -> Any:
+    """A derived call's output as plain data: torch.func may return a lazy ZeroTensor (a
+    tangent or gradient known to be zero, which has no storage for DLPack), and autograd
+    outputs that are still on a tape."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.requires_grad:
+        value = value.detach()
+    if is_zerotensor(value):
+        value = torch.zeros(value.shape, dtype=value.dtype, device=value.device)
+    return value
+
+
+def to_jax_outputs(results: list, paths: list, device: Any = None) -> list:
+    """The flat outputs of an eager call as JAX arrays on `device` (None: JAX's CPU).
+
+    An output is handed over without a copy only where nothing but the output reaches its
+    memory: one that shares it with an input, a closed-over tensor, a parameter, a cache or
+    a view of any of them is copied first, or torch could change the JAX array later.
+    """
+    outs = []
+    for k in range(len(results)):
+        value = results[k]
+        try:
+            if not is_private(value, 2):  # our references: the list's and `value`
+                value = value.clone(memory_format=torch.contiguous_format)
+        except RuntimeError:
+            check_has_data(value, paths[k])  # a sparse or meta tensor: say so
+            raise
+        outs.append(tensor_to_jax(value, paths[k], device))
+    return outs

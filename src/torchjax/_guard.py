@@ -1,0 +1,212 @@
+# The in-place guard: torch never writes into memory that JAX owns, by any route.
+#
+# Input tensors alias the caller's JAX buffers (DLPack, or XLA's buffers under jit). A write
+# can reach them through an in-place op, a view, an out= argument, `.data` (which has a
+# version counter of its own) or the storage itself (which bumps none), so version counters
+# cannot promise anything. The guard works on what all those routes share, the storage:
+#
+# * fake runs (the shapes of the user's function): a dispatch mode refuses any op whose
+#   schema writes (alias_info.is_write) into a tensor on an input's storage, naming the op
+#   and the argument, before any real data is touched;
+# * real runs: every input's storage is marked throw-on-mutable-data-ptr (torch's own mark
+#   for FakeTensor storages), so every kernel that would write raises before it does,
+#   whatever the route. A few readers ask for a writable pointer too (.numpy(), data_ptr(),
+#   some compiled and extension kernels): on the first such refusal the call runs again on
+#   copies, which are compared with the inputs afterwards (a change is an
+#   InPlaceMutationError), and that signature runs on copies from then on;
+# * outputs: an eager output is handed to JAX without a copy only when nothing but the
+#   output itself reaches its memory (no closed-over tensor, parameter, cache or view of
+#   one), so that torch cannot change a JAX array later;
+# * under jit, an input the function kept a reference to (a hook, a cache) is given a copy
+#   of its memory before XLA reuses the buffer, as eagerly the reference keeps its array.
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from torchjax._compat import (
+    TorchDispatchMode,
+    is_view,
+    op_schema,
+    set_throw_on_mutable_data_ptr,
+    storage_cdata,
+    storage_id,
+    storage_use_count,
+    tensor_base,
+    tensor_use_count,
+    tensor_version,
+)
+from torchjax._errors import InPlaceMutationError, TorchJaxError
+
+INPLACE_MESSAGE = """\
+{name} modifies its input {path} in place ({how}). JAX arrays are immutable and torchjax
+hands torch the caller's buffer without a copy, so this would silently change the caller's
+array. Clone the input first:
+
+    def {short}(x):
+        x = x.clone()   # instead of modifying the argument
+        x.add_(1)
+        return x
+"""
+
+METADATA_MESSAGE = """\
+{name} changes its input {path} in place ({how}). That op changes only the tensor's shape or
+strides, not its data, but to_jax rejects in-place ops on its inputs all the same. Use the
+out-of-place form, e.g. `x = x.t()` for `x.t_()`, `x = x.unsqueeze(0)` for `x.unsqueeze_(0)`.
+"""
+
+_KEPT_MESSAGE = (
+    "A function wrapped by to_jax kept a reference to one of its inputs (in a cache, a hook "
+    "or an attribute) after a call under jax.jit, whose input buffers XLA reuses once the "
+    "call returns. Keep a copy instead: `self.cache = x.clone()`."
+)
+
+# The message of torch's refusal to hand out a writable pointer to a marked storage.
+_REFUSED = "Cannot access data pointer of Tensor"
+
+_storage_use_count = storage_use_count
+_sid = storage_id  # a tensor's storage, without making a Python object of it
+_getrefcount = sys.getrefcount
+
+
+def inplace_error(name: str, path: str, how: str, metadata: bool = False) -> InPlaceMutationError:
+    template = METADATA_MESSAGE if metadata else INPLACE_MESSAGE
+    short = name.rsplit(".", 1)[-1]
+    return InPlaceMutationError(template.format(name=name, path=path, how=how, short=short))
+
+
+def check_versions(tensors: list, versions: list, paths: list, name: str, how: str) -> None:
+    """Raise InPlaceMutationError naming the first input whose version counter moved.
+
+    Behind a storage that refuses writes, a counter that moved means an in-place view op
+    (t_, unsqueeze_, as_strided_, set_): data writes raise before they happen.
+    """
+    for t, v, path in zip(tensors, versions, paths, strict=True):
+        if tensor_version(t) != v:
+            raise inplace_error(name, path, f"an in-place view op, {how}", metadata=True)
+
+
+# -- fake runs ------------------------------------------------------------------------------
+_writes: dict[Any, tuple] = {}  # op -> ((position, name), ...) of the arguments it writes
+
+
+def _written_args(func: Any) -> tuple:
+    found = _writes.get(func)
+    if found is None:
+        schema = op_schema(func)
+        found = tuple(
+            (i, a.name)
+            for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        _writes[func] = found
+    return found
+
+
+class WriteGuard(TorchDispatchMode):
+    """Refuses every op that writes into the storage of one of `inputs` (fake tensors).
+
+    Sees all routes to the storage: in-place ops and out= arguments on the input, its
+    views, `.data` and tensors made on its storage. An in-place view op (t_, unsqueeze_)
+    is refused with a message that says it changes no data.
+    """
+
+    def __init__(self, inputs: list, paths: list, name: str):
+        super().__init__()
+        pairs = zip(inputs, paths, strict=True)
+        self.storages = {StorageWeakRef(t.untyped_storage()): p for t, p in pairs}
+        self.name = name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, arg_name in _written_args(func):
+            value = kwargs[arg_name] if arg_name in kwargs else args[i] if i < len(args) else None
+            for t in value if isinstance(value, list | tuple) else (value,):
+                if isinstance(t, torch.Tensor):
+                    path = self.storages.get(StorageWeakRef(t.untyped_storage()))
+                    if path is not None:
+                        metadata = torch.Tag.inplace_view in func.tags
+                        how = f"{func}, seen while inferring output shapes"
+                        raise inplace_error(self.name, path, how, metadata)
+        return func(*args, **kwargs)
+
+
+# -- real runs ------------------------------------------------------------------------------
+# refuse_writes(t): every write into t's storage (by any tensor on it) raises before it happens.
+refuse_writes = set_throw_on_mutable_data_ptr
+
+
+def is_refusal(error: BaseException) -> bool:
+    """Whether `error` (or one it was raised from) is a protected storage refusing a
+    writable pointer: an attempted write, or a reader that asked for write access."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, RuntimeError) and _REFUSED in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return False
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape, dtype and layout hold the same bits."""
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def is_private(t: torch.Tensor, refs: int) -> bool:
+    """Whether nothing but `t` reaches t's memory, so that it may become a JAX array as is.
+
+    `refs` is the number of Python references the caller itself holds to `t` (a list
+    entry, a local variable). Anything else that holds the tensor (a closure, a module, a
+    cache), another tensor on its storage (a view, `.data`, a base kept by a view), or
+    memory torch did not allocate (from_numpy, DLPack: not resizable) means it is shared.
+    """
+    if _getrefcount(t) != refs + 2 or tensor_use_count(t) != 1:  # + `t` and getrefcount's argument
+        return False
+    storage = t.untyped_storage()
+    # The storage's Python object counts as a user of it, and torch keeps it with the
+    # storage once made: references `storage`, getrefcount's argument and torch's own.
+    # One more is a storage object kept by someone else.
+    if not storage.resizable() or _getrefcount(storage) != 3:
+        return False
+    if not is_view(t):
+        return _storage_use_count(storage_cdata(storage)) == 2
+    # A view keeps its base alive: private if the base is reachable only through it. The
+    # base's Python object is then kept by torch for the view (one reference), besides
+    # `base` and getrefcount's argument; any other holder (a closure, a list) adds one.
+    if _storage_use_count(storage_cdata(storage)) != 3:
+        return False
+    base = tensor_base(t)
+    return tensor_use_count(base) == 2 and _getrefcount(base) == 3
+
+
+def release(tensors: list) -> None:
+    """Give an input the function kept a reference to a copy of its memory.
+
+    Under jit the inputs are XLA's buffers, valid only during the call; a tensor, view or
+    storage of one that outlives the call would read memory XLA has reused. Such an input's
+    storage gets a private copy of the data in place of XLA's, so the kept reference reads
+    the call's input, as it does eagerly (where the tensor keeps its JAX array alive).
+    """
+    for t in tensors:
+        # References: the list, the loop variable, getrefcount's argument; t on its storage.
+        if _getrefcount(t) == 3 and tensor_use_count(t) == 1:
+            if _storage_use_count(_sid(t)) == 1:
+                continue
+            # Once a Python object of a storage was made (StorageWeakRef, say), torch keeps
+            # it with the storage: a second user, harmless while nothing else holds it
+            # (references: `storage`, getrefcount's argument, torch's own).
+            storage = t.untyped_storage()
+            if _storage_use_count(storage_cdata(storage)) == 2 and _getrefcount(storage) == 3:
+                continue
+        else:
+            storage = t.untyped_storage()
+        swap = getattr(storage, "_swap_data_ptr_", None)
+        if swap is None:  # pragma: no cover - a torch without it
+            raise TorchJaxError(_KEPT_MESSAGE)
+        swap(storage.clone())  # the clone now holds XLA's buffer, and lets go of it

@@ -1,0 +1,602 @@
+# Conformance harness: torch's own operator database (OpInfo `op_db`) driven through
+# `torchjax.to_jax`, with torch itself as the oracle. For one op and one transform, `run`
+# wraps the op's sample call in `to_jax`, applies the JAX transform, applies the matching
+# torch transform to the op called directly (`torch.func`, `torch.autograd.grad`), and
+# classifies the pair:
+#
+#   pass      both ran and agree within tolerance
+#   mismatch  both ran, the numbers (or shapes, dtypes, output counts) differ
+#   error     torch's oracle ran, torchjax raised
+#   skip      the oracle itself failed, or the pair does not apply (random or uninitialized
+#             outputs, in-place ops, non-tensor outputs, no floating input for a derivative,
+#             an input too large for a second-order transform)
+#
+# References never come from torchjax: only the op called on torch tensors and torch's own
+# transforms. Not a test module (no `test_` prefix): tests/test_conformance.py and
+# tools/conformance.py import it.
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import signal
+import time
+import warnings
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import torch
+import torch.utils._pytree as torch_pytree
+from torch.testing._internal.common_device_type import toleranceOverride
+from torch.testing._internal.common_methods_invocations import op_db
+from torch.testing._internal.opinfo.core import DecorateInfo, OpInfo
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torchjax
+from torchjax._errors import ShapeInferenceError
+
+TRANSFORMS = ("eager", "jit", "vmap", "vjp", "jvp", "hessian", "jacrev_jacrev", "vmap_grad")
+PASS, MISMATCH, ERROR, SKIP = "pass", "mismatch", "error", "skip"
+
+# In order of preference: the first one the op supports on CPU is the samples' dtype.
+SAMPLE_DTYPES = (torch.float64, torch.float32, torch.int64, torch.bool, torch.complex128)
+RTOL = 1e-6
+ATOL = 1e-6
+RTOL_FLOAT32 = ATOL_FLOAT32 = 1e-5  # for ops without float64 support
+MAX_SAMPLES = 6  # applicable non-empty samples kept per op
+EMPTY_SAMPLES = 2  # and samples with an empty tensor
+SCANNED_SAMPLES = 64  # samples looked at per op
+TINY = 4  # elements: samples whose differentiated (else vmapped) tensor is smaller go last
+BATCH = 2  # size of the new leading axis for vmap and vmap_grad
+SECOND_ORDER_MAX_INPUT = 200  # elements of the differentiated input, hessian / jacrev_jacrev
+SECOND_ORDER_MAX_RESULT = 250_000  # elements of a jacrev_jacrev result
+
+# torch dtypes that numpy lacks, and the ml_dtypes types JAX uses for them.
+_ML_DTYPES = {
+    torch.bfloat16: ml_dtypes.bfloat16,
+    torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
+    torch.float8_e4m3fnuz: ml_dtypes.float8_e4m3fnuz,
+    torch.float8_e5m2: ml_dtypes.float8_e5m2,
+    torch.float8_e5m2fnuz: ml_dtypes.float8_e5m2fnuz,
+}
+
+# Outputs read from uninitialized memory: equal inputs need not give equal outputs.
+_UNINITIALIZED = ("empty", "new_empty", "empty_like", "empty_strided", "empty_permuted")
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """One (op, transform) pair: `status` is one of PASS, MISMATCH, ERROR, SKIP."""
+
+    op: str
+    transform: str
+    status: str
+    message: str = ""
+    max_abs_err: float | None = None
+    seconds: float = 0.0
+
+
+def op_name(op: OpInfo) -> str:
+    """The op's name with its variant, as torch's own test ids write it (`div.trunc_rounding`)."""
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+@functools.cache
+def ops_by_name() -> dict[str, OpInfo]:
+    return {op_name(op): op for op in op_db}
+
+
+def all_ops() -> list[OpInfo]:
+    return list(op_db)
+
+
+@contextlib.contextmanager
+def x64() -> Iterator[None]:
+    """float64 in JAX for the duration, restoring the previous setting afterwards."""
+    with jax.enable_x64(True):
+        yield
+
+
+# --------------------------------------------------------------------------- the sample
+
+
+class _NotApplicable(Exception):
+    """The pair is a skip; the message says why."""
+
+
+class _Timeout(BaseException):
+    # BaseException so that no `except Exception` between the alarm and us swallows it.
+    pass
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _tolerances(op: OpInfo, dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol): the defaults, loosened by any toleranceOverride of the OpInfo for the
+    samples' dtype."""
+    rtol, atol = (RTOL, ATOL) if dtype != torch.float32 else (RTOL_FLOAT32, ATOL_FLOAT32)
+    for info in op.decorators:
+        decorators = info.decorators if isinstance(info, DecorateInfo) else [info]
+        if isinstance(info, DecorateInfo) and info.device_type not in (None, "cpu"):
+            continue
+        for d in decorators:
+            if isinstance(d, toleranceOverride) and dtype in d.d:
+                rtol = max(rtol, d.d[dtype].rtol)
+                atol = max(atol, d.d[dtype].atol)
+    return rtol, atol
+
+
+def _sample_dtype(op: OpInfo) -> torch.dtype:
+    supported = op.supported_dtypes("cpu")
+    for dtype in SAMPLE_DTYPES:
+        if dtype in supported:
+            return dtype
+    raise _NotApplicable(f"supports none of {', '.join(map(str, SAMPLE_DTYPES))}")
+
+
+def _normalize(out: Any) -> Any:
+    """The op's output as to_jax can return it: torch.return_types become plain tuples."""
+    if isinstance(out, torch.Tensor):
+        if out.layout != torch.strided or out.is_quantized or out.is_meta:
+            raise _NotApplicable(f"output with layout {out.layout}")
+        return out
+    if out is None or isinstance(out, bool | int | float):
+        return out
+    if isinstance(out, tuple | list):  # torch.return_types.* are tuple subclasses
+        return tuple(_normalize(o) for o in out)
+    raise _NotApplicable(f"non-tensor output {type(out).__name__}")
+
+
+def _leaves(out: Any) -> list[Any]:
+    if isinstance(out, tuple):
+        return [leaf for o in out for leaf in _leaves(o)]
+    return [] if out is None else [out]
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().resolve_conj().resolve_neg().cpu()
+        if x._is_zerotensor():  # torch.func's lazy zero (no storage): the zeros it stands for
+            x = torch.zeros(x.shape, dtype=x.dtype)
+        if x.dtype in _ML_DTYPES:  # no numpy dtype: reinterpret the bits as ml_dtypes' type
+            bits = torch.int16 if x.dtype.itemsize == 2 else torch.uint8
+            return x.contiguous().view(bits).numpy().view(_ML_DTYPES[x.dtype])
+        return x.numpy()
+    return np.asarray(x)
+
+
+def _to_jax_array(t: torch.Tensor) -> jax.Array:
+    return jnp.asarray(_to_numpy(t))
+
+
+def _random_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    return torch.rand(t.shape, generator=gen, dtype=t.dtype) * 2 - 1
+
+
+class _Case:
+    """One sample of one op, as a function of the sample's tensors (everything else fixed)."""
+
+    def __init__(self, op: OpInfo, sample: Any, dtype: torch.dtype, seed: int) -> None:
+        self.op = op
+        self.dtype = dtype
+        self.sample = sample
+        leaves, self.spec = torch_pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
+        self.leaves = leaves
+        self.tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        for i in self.tensor_pos:
+            if leaves[i].layout != torch.strided:
+                raise _NotApplicable(f"input with layout {leaves[i].layout}")
+        self.tensors = [leaves[i].detach().clone() for i in self.tensor_pos]
+        floating = [k for k, t in enumerate(self.tensors) if t.is_floating_point()]
+        self.diff = floating[0] if floating else None  # differentiated tensor
+        self.primary = self.diff if floating else (0 if self.tensors else None)  # vmapped tensor
+        self.seed = seed
+
+    def call(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The op on these tensors (in place of the sample's), output normalized."""
+        leaves = list(self.leaves)
+        for i, t in zip(self.tensor_pos, tensors, strict=True):
+            leaves[i] = t
+        inp, args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
+        out = self.op.op(inp, *args, **kwargs)
+        out = self.sample.output_process_fn_grad(out)
+        return _normalize(out)
+
+    def size(self) -> int:
+        """Elements of the differentiated (else the vmapped) tensor."""
+        k = self.diff if self.diff is not None else self.primary
+        return 0 if k is None else self.tensors[k].numel()
+
+    def replaced(self, k: int, x: Any, tensors: Sequence[Any]) -> list[Any]:
+        new = list(tensors)
+        new[k] = x
+        return new
+
+    def batched(self, k: int, gen: torch.Generator) -> torch.Tensor:
+        """Tensor k and a nearby value stacked on a new leading axis (same sign pattern)."""
+        t = self.tensors[k]
+        if t.dtype == torch.bool:
+            other = ~t
+        elif t.is_floating_point() or t.is_complex():
+            other = t * (1 + 0.05 * _random_like(t.real if t.is_complex() else t, gen))
+        else:
+            other = t  # integers are often indices: a changed value may be out of range
+        return torch.stack([t] + [other] * (BATCH - 1))
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def _compare(actual: Sequence[Any], expected: Sequence[Any], rtol: float, atol: float) -> Result:
+    """A PASS or MISMATCH record (op and transform left empty)."""
+    if len(actual) != len(expected):
+        return Result("", "", MISMATCH, f"{len(actual)} outputs, torch gives {len(expected)}")
+    worst = 0.0
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        a, e = np.asarray(a), _to_numpy(e)
+        if a.shape != e.shape:
+            return Result("", "", MISMATCH, f"output {i}: shape {a.shape}, torch gives {e.shape}")
+        if a.dtype != e.dtype:
+            return Result("", "", MISMATCH, f"output {i}: dtype {a.dtype}, torch gives {e.dtype}")
+        if a.size == 0:
+            continue
+        if a.dtype.kind == "V":  # bfloat16, float8: compare the values as float64
+            a, e = a.astype(np.float64), e.astype(np.float64)
+        if a.dtype.kind in "biu":
+            bad = a != e
+            err = float(np.max(np.abs(a.astype(np.float64) - e.astype(np.float64))))
+        else:
+            same_special = (np.isnan(a) & np.isnan(e)) | (np.isinf(a) & (a == e))
+            with np.errstate(invalid="ignore", over="ignore"):
+                diff = np.where(same_special, 0.0, np.abs(a - e))
+                diff = np.where(np.isnan(diff), np.inf, diff)
+                bad = diff > atol + rtol * np.where(np.isfinite(e), np.abs(e), 0)
+            err = float(np.max(diff))
+        worst = max(worst, err)
+        if np.any(bad):
+            n = int(np.sum(bad))
+            return Result(
+                "", "", MISMATCH, f"output {i}: {n}/{a.size} elements differ", max_abs_err=err
+            )
+    return Result("", "", PASS, max_abs_err=worst)
+
+
+# --------------------------------------------------------------------------- the transforms
+
+
+def _float_idx(expected_out: Any) -> list[int]:
+    return [
+        i
+        for i, x in enumerate(_leaves(expected_out))
+        if isinstance(x, torch.Tensor) and x.is_floating_point()
+    ]
+
+
+def _run_pair(case: _Case, transform: str, wrap: Callable) -> tuple[Callable, Callable]:
+    """(oracle, candidate): thunks returning flat lists of leaves to compare."""
+    T = case.tensors
+    A = [_to_jax_array(t) for t in T]
+    gen = torch.Generator().manual_seed(case.seed)  # the same draws whatever ran before
+    out0 = case.call(T)  # the op called directly: structure and which outputs are floating
+    fj = wrap()
+
+    if transform == "eager":
+        return (lambda: _leaves(case.call(T))), (lambda: jax.tree.leaves(fj(*A)))
+    if transform == "jit":
+        return (lambda: _leaves(case.call(T))), (lambda: jax.tree.leaves(jax.jit(fj)(*A)))
+    if transform == "vmap":
+        if case.primary is None:
+            raise _NotApplicable("no tensor input")
+        p = case.primary
+        xb = case.batched(p, gen)
+
+        def oracle():
+            return _leaves(torch.func.vmap(lambda x: case.call(case.replaced(p, x, T)))(xb))
+
+        def candidate():
+            f = lambda x: fj(*case.replaced(p, x, A))
+            return jax.tree.leaves(jax.vmap(f)(_to_jax_array(xb)))
+
+        return oracle, candidate
+
+    # Derivative transforms: w.r.t. tensor `case.diff`, of the floating outputs only.
+    if case.diff is None:
+        raise _NotApplicable("no floating tensor input")
+    d = case.diff
+    fidx = _float_idx(out0)
+    if not fidx:
+        raise _NotApplicable("no floating tensor output")
+    if any(x.is_complex() for x in _leaves(out0) if isinstance(x, torch.Tensor)):
+        raise _NotApplicable("complex output")
+    x0 = T[d]
+    leaves0 = _leaves(out0)
+    weights = [_random_like(leaves0[i], gen) for i in fidx]
+    weights_j = [_to_jax_array(w) for w in weights]
+    tangent = _random_like(x0, gen)
+
+    def g_t(x):  # torch: the floating outputs as a function of the differentiated input
+        leaves = _leaves(case.call(case.replaced(d, x, T)))
+        return tuple(leaves[i] for i in fidx)
+
+    def s_t(x):  # torch: random-weighted sum of the floating outputs
+        return sum((w * o).sum() for w, o in zip(weights, g_t(x), strict=True))
+
+    def g_j(x):
+        leaves = jax.tree.leaves(fj(*case.replaced(d, x, A)))
+        return tuple(leaves[i] for i in fidx)
+
+    def s_j(x):
+        return sum(jnp.sum(w * o) for w, o in zip(weights_j, g_j(x), strict=True))
+
+    xj = _to_jax_array(x0)
+    if transform == "vjp":
+
+        def oracle():
+            x = x0.clone().requires_grad_(True)
+            with torch.enable_grad():
+                outs = g_t(x)
+                pairs = [(o, w) for o, w in zip(outs, weights, strict=True) if o.requires_grad]
+                if not pairs:  # no output depends on x differentiably: the gradient is zero
+                    return [torch.zeros_like(x0)]
+                (g,) = torch.autograd.grad(
+                    [o for o, _ in pairs], x, [w for _, w in pairs], allow_unused=True
+                )
+            return [torch.zeros_like(x0) if g is None else g]
+
+        return oracle, lambda: [jax.grad(s_j)(xj)]
+    if transform == "jvp":
+
+        def oracle():
+            out, tan = torch.func.jvp(g_t, (x0,), (tangent,))
+            return list(out) + list(tan)
+
+        def candidate():
+            out, tan = jax.jvp(g_j, (xj,), (_to_jax_array(tangent),))
+            return list(out) + list(tan)
+
+        return oracle, candidate
+    if transform in ("hessian", "jacrev_jacrev"):
+        n = x0.numel()
+        if n > SECOND_ORDER_MAX_INPUT:
+            raise _NotApplicable(f"input of {n} elements is too large for {transform}")
+        if transform == "hessian":
+            return (
+                lambda: [torch.func.hessian(s_t)(x0)],
+                lambda: [jax.hessian(s_j)(xj)],
+            )
+        size = sum(leaves0[i].numel() for i in fidx) * n * n
+        if size > SECOND_ORDER_MAX_RESULT:
+            raise _NotApplicable(f"result of {size} elements is too large for {transform}")
+        return (
+            lambda: list(torch.func.jacrev(torch.func.jacrev(g_t))(x0)),
+            lambda: jax.tree.leaves(jax.jacrev(jax.jacrev(g_j))(xj)),
+        )
+    if transform == "vmap_grad":
+        xb = case.batched(d, gen)
+        return (
+            lambda: [torch.func.vmap(torch.func.grad(s_t))(xb)],
+            lambda: [jax.vmap(jax.grad(s_j))(_to_jax_array(xb))],
+        )
+    raise ValueError(f"unknown transform {transform!r}; expected one of {TRANSFORMS}")
+
+
+# --------------------------------------------------------------------------- the runner
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float | None) -> Iterator[None]:
+    if not seconds:
+        yield
+        return
+
+    def handler(signum, frame):
+        raise _Timeout(f"over the time limit of {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _outputs_equal(a: Any, b: Any) -> bool:
+    """Equal up to the last bits (multithreaded LAPACK need not be bitwise reproducible)."""
+    la, lb = [_to_numpy(x) for x in _leaves(a)], [_to_numpy(x) for x in _leaves(b)]
+    return len(la) == len(lb) and all(
+        x.shape == y.shape
+        and x.dtype == y.dtype
+        and (
+            np.allclose(x, y, rtol=1e-12, atol=0, equal_nan=True)
+            if x.dtype.kind in "fc"
+            else np.array_equal(x, y)
+        )
+        for x, y in zip(la, lb, strict=True)
+    )
+
+
+class _RandomOps(TorchDispatchMode):
+    """Notes the first aten op tagged as drawing random numbers. OpInfo runs samplers under
+    a fixed seed, so their outputs alone do not show that they are random."""
+
+    found: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.found is None and torch.Tag.nondeterministic_seeded in func.tags:
+            self.found = func.name()
+        return func(*args, **(kwargs or {}))
+
+
+_CASES: dict[str, tuple[list[_Case], str]] = {}
+
+
+def forget(name: str) -> None:
+    """Drop the op's cached samples (the full sweep keeps memory bounded this way)."""
+    _CASES.pop(name, None)
+
+
+def _cases(name: str) -> tuple[list[_Case], str]:
+    if name not in _CASES:
+        _CASES[name] = _find_cases(name)
+    return _CASES[name]
+
+
+def _find_cases(name: str) -> tuple[list[_Case], str]:
+    """Up to MAX_SAMPLES applicable samples, or ([], why none applies).
+
+    The first applicable ones among the op's first SCANNED_SAMPLES, in op_db's order except
+    that tiny ones come after the others; then at most EMPTY_SAMPLES with an empty tensor:
+    they test edge cases but say little about values, and torch.func's jacobians reject them.
+    """
+    op = ops_by_name()[name]
+    if op.name.endswith("_") and not op.name.endswith("__"):  # not __radd__ and the like
+        return [], "in-place op"
+    if any(op.name == u or op.name.endswith("." + u) for u in _UNINITIALIZED):
+        return [], "uninitialized output"
+    try:
+        dtype = _sample_dtype(op)
+        # small_inputs_only: what torch's own slow gradcheck asks for (20x20 becomes 5x5),
+        # unless the sampler passes unknown options on to the op (signal.windows.*).
+        first = next(iter(op.sample_inputs("cpu", dtype, small_inputs_only=True)), None)
+        options = (
+            {} if first and "small_inputs_only" in first.kwargs else {"small_inputs_only": True}
+        )
+        torch.manual_seed(0)
+        samples = op.sample_inputs("cpu", dtype, requires_grad=False, **options)
+        cases, empties, why = [], [], "no samples"
+        for sample in itertools.islice(samples, SCANNED_SAMPLES):
+            if len(cases) == MAX_SAMPLES:
+                break
+            empty = any(
+                isinstance(x, torch.Tensor) and x.numel() == 0
+                for x in torch_pytree.tree_leaves((sample.input, sample.args, sample.kwargs))
+            )
+            if empty and len(empties) == EMPTY_SAMPLES:
+                continue
+            try:
+                case = _Case(op, sample, dtype, seed=zlib.crc32(name.encode()))
+                versions = [t._version for t in case.tensors]
+                torch.manual_seed(0)
+                with _RandomOps() as random_ops:
+                    out_a = case.call(case.tensors)
+                if [t._version for t in case.tensors] != versions:
+                    why = "mutates its input"
+                    continue
+                if random_ops.found:
+                    why = f"random op ({random_ops.found})"
+                    continue
+                torch.manual_seed(1)
+                if not _outputs_equal(out_a, case.call(case.tensors)):
+                    why = "nondeterministic output"
+                    continue
+                (empties if empty else cases).append(case)
+            except _NotApplicable as e:
+                why = str(e)
+            except Exception as e:
+                why = f"oracle: {_first_line(e)}"
+        # Tiny samples after the others: a 1x1 matrix or a 0-d tensor can hide what a 5x5
+        # one shows.
+        cases.sort(key=lambda c: c.size() < TINY)
+        return cases + empties, why
+    except _NotApplicable as e:
+        return [], str(e)
+    except Exception as e:
+        return [], f"sample_inputs: {_first_line(e)}"
+
+
+def _run_case(case: _Case, transform: str, time_limit: float | None) -> Result:
+    rtol, atol = _tolerances(case.op, case.dtype)
+    declared: list[Any] = []
+
+    def wrap() -> Callable:
+        fn = lambda *tensors: case.call(tensors)
+        if not declared:
+            return torchjax.to_jax(fn)
+        return torchjax.to_jax(fn, result_shape_dtypes=declared[0])
+
+    try:
+        with _time_limit(time_limit):
+            oracle, candidate = _run_pair(case, transform, wrap)
+            expected = oracle()
+    except _NotApplicable as e:
+        return Result("", "", SKIP, str(e))
+    except (Exception, _Timeout) as e:
+        return Result("", "", SKIP, f"oracle: {_first_line(e)}")
+    try:
+        with _time_limit(time_limit):
+            try:
+                actual = candidate()
+            except ShapeInferenceError:
+                # Data-dependent output shapes: declare them, as the error tells users to.
+                out0 = case.call(case.tensors)
+                declared.append(
+                    jax.tree.map(
+                        lambda x: jax.ShapeDtypeStruct(np.shape(x), _to_numpy(x).dtype),
+                        out0,
+                        is_leaf=lambda x: isinstance(x, torch.Tensor),
+                    )
+                )
+                oracle, candidate = _run_pair(case, transform, wrap)
+                actual = candidate()
+    except (Exception, _Timeout) as e:
+        return Result("", "", ERROR, _first_line(e))
+    return _compare(actual, expected, rtol, atol)
+
+
+def run(
+    name: str, transform: str, *, n_samples: int = 1, time_limit: float | None = None
+) -> Result:
+    """Classify one (op, transform) pair over the op's first `n_samples` samples.
+
+    Args:
+      name: the op's name with variant, as `op_name` gives it (`"linalg.det"`,
+        `"div.trunc_rounding"`).
+      transform: one of TRANSFORMS.
+      n_samples: how many samples must run (not skip) before the pair counts as passed.
+        Samples are tried in the order `_find_cases` gives, so one that cannot apply
+        (say, too large for a hessian) gives way to the next; the worst outcome counts
+        (error, then mismatch, then pass, then skip).
+      time_limit: seconds for each of the oracle and torchjax, per sample (None: no limit).
+
+    Returns:
+      A Result. Call it inside `x64()`, so that float64 stays float64.
+
+    Example:
+      >>> with x64():
+      ...     run("sin", "hessian").status
+      'pass'
+    """
+    if transform not in TRANSFORMS:
+        raise ValueError(f"unknown transform {transform!r}; expected one of {TRANSFORMS}")
+    start = time.perf_counter()
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.")
+        cases, why = _cases(name)
+        for case in cases:
+            results.append(_run_case(case, transform, time_limit))
+            if results[-1].status in (ERROR, MISMATCH):
+                break
+            if sum(r.status == PASS for r in results) == n_samples:
+                break
+    result = Result("", "", SKIP, why)
+    for status in (ERROR, MISMATCH, PASS, SKIP):
+        found = [r for r in results if r.status == status]
+        if found:
+            errs = [r.max_abs_err for r in found if r.max_abs_err is not None]
+            result = dataclasses.replace(found[0], max_abs_err=max(errs) if errs else None)
+            break
+    seconds = time.perf_counter() - start
+    return dataclasses.replace(result, op=name, transform=transform, seconds=seconds)
