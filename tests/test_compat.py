@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from packaging.version import Version
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "torchjax"
 
@@ -63,14 +62,11 @@ PRIVATE_NAMES = [
     "torch._C._functorch.peek_interpreter_stack",
     "torch.autograd.forward_ad._current_level",
     "torch._C._DisableFuncTorch",
-    "torch._functorch.predispatch._add_batch_dim | torch._functorch.vmap._add_batch_dim",
-    "torch._functorch.predispatch._remove_batch_dim | torch._functorch.vmap._remove_batch_dim",
-    "torch._functorch.predispatch._vmap_increment_nesting"
-    " | torch._functorch.vmap._vmap_increment_nesting",
-    "torch._functorch.predispatch._vmap_decrement_nesting"
-    " | torch._functorch.vmap._vmap_decrement_nesting",
-    "torch._functorch.predispatch.lazy_load_decompositions"
-    " | torch._functorch.vmap.lazy_load_decompositions",
+    "torch._functorch.predispatch._add_batch_dim",
+    "torch._functorch.predispatch._remove_batch_dim",
+    "torch._functorch.predispatch._vmap_increment_nesting",
+    "torch._functorch.predispatch._vmap_decrement_nesting",
+    "torch._functorch.predispatch.lazy_load_decompositions",
     "torch._subclasses.fake_tensor",
     "torch._subclasses.fake_tensor.FakeTensorMode",
     "torch._subclasses.fake_tensor.is_fake",
@@ -97,19 +93,6 @@ PRIVATE_NAMES = [
     "torch.Tensor._base",
     "torch.ops.aten.add.Tensor._schema",
 ]
-
-
-# Names the oldest supported versions lack, with the newest release that lacks each: there
-# the name's fallback is in use (and must be: the tests below exercise each fallback).
-ABSENT_UP_TO = {"torch.utils._pytree.is_structseq_class": ("torch", "2.4.1")}
-
-
-def _expected_absent(name: str) -> bool:
-    if name not in ABSENT_UP_TO:
-        return False
-    package, last = ABSENT_UP_TO[name]
-    installed = {"torch": torch.__version__, "jax": jax.__version__}[package]
-    return Version(Version(installed).base_version) <= Version(last)
 
 
 def _exists(path: str) -> bool:
@@ -146,19 +129,14 @@ def _exists(path: str) -> bool:
 @pytest.mark.parametrize("name", PRIVATE_NAMES)
 def test_private_name_exists_in_installed_versions(name):
     versions = f"jax {jax.__version__}, torch {torch.__version__}"
-    exists = any(_exists(p) for p in name.split(" | "))
-    if _expected_absent(name):
-        assert not exists, f"{name} exists in {versions}: update ABSENT_UP_TO"
-    else:
-        assert exists, f"{name} is missing in {versions}"
+    assert any(_exists(p) for p in name.split(" | ")), f"{name} is missing in {versions}"
 
 
 def test_the_list_is_compat_registry():
     from torchjax import _compat
 
     assert sorted(PRIVATE_NAMES) == sorted(_compat.PRIVATE_NAMES)
-    # Its own lookups agree: fallbacks are in use exactly where names are known missing.
-    assert sorted(_compat.MISSING) == sorted(n for n in PRIVATE_NAMES if _expected_absent(n))
+    assert _compat.MISSING == []  # its own lookups agree: no fallback is in use here
 
 
 # Private names written outside _compat.py: module paths and attributes of other libraries.
@@ -295,15 +273,6 @@ def test_to_torch_without_functorch_state(monkeypatch):
     f(x).sum().backward()
     torch.testing.assert_close(x.grad, 2 * torch.cos(x.detach()))
     torch.testing.assert_close(torch.func.vmap(f)(x.detach()[:, None]), 2 * torch.sin(x[:, None]))
-
-
-def test_structseq_test_fallback_agrees():
-    from torchjax import _compat
-
-    structseq = type(torch.max(torch.ones(2, 2), dim=0))
-    for cls in (structseq, tuple, type(jnp.ones(1).shape), torch.Size, dict):
-        assert _compat._is_structseq_class(cls) == _compat.is_structseq_class(cls), cls
-    assert _compat._is_structseq_class(structseq)
 
 
 def test_grad_mode_setter_fallback():

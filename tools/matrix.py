@@ -50,8 +50,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # The core tests: every transform and their compositions, conversion, the primitive, the
-# private-API registry and shard_map. They need no optional extras (transformers, flax,
-# numpyro, diffrax), only TEST_TOOLS.
+# private-API registry, the in-place guard and shard_map. They need no optional extras
+# (transformers, flax, numpyro, diffrax), only TEST_TOOLS.
 CORE_TESTS = (
     "tests/test_compat.py",
     "tests/test_to_jax.py",
@@ -64,6 +64,7 @@ CORE_TESTS = (
     "tests/test_torch_func_agreement.py",
     "tests/test_one_forward.py",
     "tests/test_to_torch.py",
+    "tests/test_no_corruption.py",
     "tests/test_multidevice.py",
 )
 
@@ -83,7 +84,7 @@ NEWEST = ("jax>=0.12,<0.13", "jaxlib>=0.12,<0.13", "torch>=2.15,<2.16")
 
 CONFIGS = (
     # pyproject's lower bounds, exactly. JAX 0.11+ needs Python 3.12, so 3.11 ends at 0.10.
-    Config("oldest", "3.11", ("jax==0.8.0", "jaxlib==0.8.0", "torch==2.4.1")),
+    Config("oldest", "3.11", ("jax==0.8.0", "jaxlib==0.8.0", "torch==2.13.0")),
     Config("py3.12-newest", "3.12", NEWEST),
     Config("py3.13-newest", "3.13", NEWEST),
 )

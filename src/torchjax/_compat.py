@@ -393,12 +393,10 @@ def forward_ad_active() -> bool:
 # torch.func transform must not be intercepted by it).
 DisableFuncTorch = _private("torch._C._DisableFuncTorch")
 
-# The steps torch.func.vmap is made of, called without its Python wrapper (_batching.py);
-# torch 2.4 keeps them in functorch's vmap module.
+# The steps torch.func.vmap is made of, called without its Python wrapper (_batching.py).
 _VMAP_STEPS = {
     name: _private(
         f"torch._functorch.predispatch.{name}",
-        f"torch._functorch.vmap.{name}",
         fallback="torch.func.vmap itself (tens of µs more per batched call)",
     )
     for name in (
@@ -442,22 +440,7 @@ FAKE_LIMIT_ERRORS = tuple(
 torch_pytree = _private("torch.utils._pytree")
 for _name in ("SUPPORTED_NODES", "MappingKey", "GetAttrKey"):
     _private(f"torch.utils._pytree.{_name}")
-
-
-def _is_structseq_class(cls: type) -> bool:
-    # A PyStructSequence type (torch.return_types): a direct tuple subclass with its counts.
-    return (
-        isinstance(cls, type)
-        and cls.__bases__ == (tuple,)
-        and isinstance(getattr(cls, "n_fields", None), int)
-        and isinstance(getattr(cls, "n_sequence_fields", None), int)
-    )
-
-
-is_structseq_class = _or(
-    _private("torch.utils._pytree.is_structseq_class", fallback="torchjax's copy of the same test"),
-    _is_structseq_class,
-)
+is_structseq_class = _private("torch.utils._pytree.is_structseq_class")
 
 # torch.compile: the original module or function inside a compiled one. Looking these up
 # would import torch._dynamo (seconds); the test does.
