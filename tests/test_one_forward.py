@@ -254,3 +254,21 @@ def test_threads_each_pull_back_through_their_own_graph():
     for (value, grad), (ref_value, ref_grad) in results.values():
         _close(value, ref_value, rtol=1e-5)
         _close(grad, ref_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_kept_graph_with_sparse_intermediates(jit):
+    # torch saves sparse tensors for the backward of to_sparse/to_dense: they have no
+    # storage to compare with the inputs', and must be kept as they are.
+    def fn(x):
+        return (x.to_sparse().to_dense() * x).sum()
+
+    f = torchjax.to_jax(fn)
+    x = jnp.array([[1.0, 0.0, -2.0], [0.0, 3.0, 0.5]])
+    vg = jax.value_and_grad(f)
+    val, grad = (jax.jit(vg) if jit else vg)(x)
+    xt = torch.tensor(np.asarray(x), requires_grad=True)
+    want = fn(xt)
+    want.backward()
+    np.testing.assert_allclose(val, want.item(), rtol=1e-6)
+    np.testing.assert_allclose(grad, xt.grad.numpy(), rtol=1e-6)

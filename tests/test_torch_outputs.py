@@ -83,7 +83,10 @@ def test_model_output_becomes_dict_of_non_none_fields(mode):
         out = jax.tree.map(lambda v: v[:, 0], out)
     else:
         out = (jax.jit(f) if mode == "jit" else f)(params, x)
-    assert type(out) is dict and set(out) == {"logits", "hidden"}  # loss was None
+    assert isinstance(out, dict) and list(out) == ["logits", "hidden"]  # loss was None
+    assert out.logits is out["logits"]  # attribute access, as on a ModelOutput
+    with pytest.raises(AttributeError, match="no field 'loss'; its fields are"):
+        out.loss
     np.testing.assert_allclose(out["hidden"], jnp.tanh(x), rtol=1e-6)
     np.testing.assert_allclose(out["logits"], jnp.tanh(x) @ params["w"], rtol=1e-6)
 
@@ -111,3 +114,50 @@ def test_plain_outputs_are_passed_through_unchanged():
     assert as_jax_tree(t) is t and as_jax_tree(pair) is pair
     nested = {"a": [t, (t, 1.0)], "b": None}
     assert jax.tree_util.tree_structure(as_jax_tree(nested)) == jax.tree_util.tree_structure(nested)
+
+
+def test_output_dict_is_a_jax_pytree_that_keeps_order_and_type():
+    f = torchjax.to_jax(model)
+    out = f({"w": jnp.ones((3, 2))}, jnp.ones((4, 3)))
+    doubled = jax.tree.map(lambda v: v * 2, out)
+    assert type(doubled) is type(out) and list(doubled) == ["logits", "hidden"]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(out)]
+    assert paths == ["['logits']", "['hidden']"]
+
+
+def _tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=16,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_real_hugging_face_model_output_with_attribute_access_and_gradients():
+    model = _tiny_gpt2()
+    apply, variables = torchjax.module_to_jax(model)
+    tokens = np.random.default_rng(0).integers(0, 100, size=(2, 8))
+    out = jax.jit(lambda v, t: apply(v, t, use_cache=False))(variables, jnp.asarray(tokens))
+    with torch.no_grad():
+        want = model(torch.as_tensor(tokens), use_cache=False)  # a real ModelOutput
+    assert list(out) == list(want.keys()) == ["logits"]
+    np.testing.assert_allclose(out.logits, want.logits.numpy(), rtol=1e-5, atol=1e-5)
+
+    # The gradient of a loss that reads out.logits, against torch autograd on the module.
+    def loss(params):
+        logits = apply({**variables, "params": params}, tokens, use_cache=False).logits
+        return jnp.sum(jnp.tanh(logits))
+
+    grads = jax.grad(loss)(variables["params"])
+    model.zero_grad()
+    torch.tanh(model(torch.as_tensor(tokens), use_cache=False).logits).sum().backward()
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_real_hugging_face_cache_output_names_use_cache_false():
+    apply, variables = torchjax.module_to_jax(_tiny_gpt2())
+    with pytest.raises(OutputMismatchError, match=r"at out\['cache'\].*use_cache=False"):
+        apply(variables, jnp.zeros((1, 4), jnp.int32))

@@ -63,14 +63,22 @@ def test_oldest_configuration_pins_the_lower_bounds(name):
 @pytest.mark.parametrize("name", ["jax", "jaxlib", "torch"])
 def test_newest_configurations_reach_the_upper_bounds(name):
     upper = _bound(_declared("jax" if name == "jaxlib" else name), "<")
-    newest = [c for c in MATRIX.CONFIGS if c is not OLDEST]
-    assert newest
+    newest = [c for c in MATRIX.CONFIGS if c.name.endswith("-newest")]
+    assert len(newest) >= 2
     for config in newest:
         spec = _requirement(config, name)
         assert _bound(spec, "<") == upper, config.name
         # The newest minor series below the bound: nothing between it and the bound.
         low = _bound(spec, ">=")
         assert (low.major, low.minor + 1) == (upper.major, upper.minor), config.name
+
+
+def test_the_newest_jax_meets_the_oldest_torch():
+    mixed = MATRIX.CONFIGS[2]
+    assert _requirement(mixed, "torch") == _requirement(OLDEST, "torch")
+    for name in ["jax", "jaxlib"]:
+        assert _bound(_requirement(mixed, name), "<") == _bound(_declared("jax"), "<")
+    assert mixed.python != OLDEST.python
 
 
 def test_every_declared_python_has_a_configuration():

@@ -86,6 +86,8 @@ CONFIGS = (
     # pyproject's lower bounds, exactly. JAX 0.11+ needs Python 3.12, so 3.11 ends at 0.10.
     Config("oldest", "3.11", ("jax==0.8.0", "jaxlib==0.8.0", "torch==2.13.0")),
     Config("py3.12-newest", "3.12", NEWEST),
+    # The newest JAX with the oldest torch, on a newer Python: the corner between the two.
+    Config("py3.12-jax-newest-torch-oldest", "3.12", (*NEWEST[:2], "torch==2.13.0")),
     Config("py3.13-newest", "3.13", NEWEST),
 )
 

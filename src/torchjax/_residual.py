@@ -107,6 +107,8 @@ def recording(graph: KeptGraph, inputs: list[torch.Tensor]) -> Iterator[None]:
     def pack(t: torch.Tensor) -> Any:
         if not t.numel():
             return t
+        if t.layout != torch.strided or t.is_nested:
+            return t.detach()  # sparse or nested: no storage that an input could share
         k = where.get(t.untyped_storage().data_ptr())
         if k is not None:
             if t.dtype == dtypes[k] and not t.is_conj() and not t.is_neg():

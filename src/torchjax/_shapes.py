@@ -93,10 +93,23 @@ def output_struct(path: tuple, leaf: Any, name: str) -> jax.ShapeDtypeStruct:
                     f"tensor of a dtype that holds it, or a smaller number."
                 )
         return jax.ShapeDtypeStruct((), dtype)
+    fix = "Return the value as a tensor, or drop it from the output."
+    if _is_hf_cache(leaf):
+        fix = (
+            "It is the model's key/value cache: call the model with use_cache=False (or "
+            "drop the field from the output)."
+        )
     raise OutputMismatchError(
         f"{name} returned a {type(leaf).__name__} at out{_tree.keystr(path)}; a function "
-        f"wrapped by to_jax must return tensors, Python numbers, or pytrees of them. Return "
-        f"the value as a tensor, or drop it from the output."
+        f"wrapped by to_jax must return tensors, Python numbers, or pytrees of them. {fix}"
+    )
+
+
+def _is_hf_cache(leaf: Any) -> bool:
+    """Whether `leaf` is a Hugging Face cache object (transformers' Cache classes)."""
+    return any(
+        c.__name__.endswith("Cache") and c.__module__.startswith("transformers.")
+        for c in type(leaf).__mro__
     )
 
 

@@ -6,7 +6,8 @@
 # take each for one opaque leaf. `as_jax_tree` rebuilds them as containers JAX knows, the
 # same way on fake and real runs, so the output structure found by the fake run is the one
 # real calls produce: a structseq becomes a namedtuple with its field names, a dict-like
-# becomes a dict of its non-None entries, any other torch node a tuple of its children.
+# becomes an OutputDict of its non-None entries (a dict that also reads `out.logits`, as
+# ModelOutput does), any other torch node a tuple of its children.
 # Leaves that are neither tensors nor numbers are left alone: the output checks name them.
 from __future__ import annotations
 
@@ -20,6 +21,32 @@ import torch
 from torchjax._compat import is_structseq_class, torch_pytree
 
 _tree = jax.tree_util
+
+
+class OutputDict(dict):
+    """A dict-like torch output (Hugging Face's ModelOutput) as a JAX pytree: a dict of its
+    non-None fields in their order, read as ``out["logits"]`` or ``out.logits``."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(
+                f"this output has no field {name!r}; its fields are {list(self)}"
+            ) from None
+
+    def __repr__(self) -> str:
+        return f"OutputDict({dict.__repr__(self)})"
+
+
+_tree.register_pytree_with_keys(
+    OutputDict,
+    lambda d: ([(_tree.DictKey(k), v) for k, v in d.items()], tuple(d)),
+    lambda keys, values: OutputDict(zip(keys, values, strict=True)),
+    lambda d: (list(d.values()), tuple(d)),
+)
 
 
 def as_jax_tree(out: Any) -> Any:
@@ -62,13 +89,16 @@ def _convert(x: Any) -> Any:
         if keys and all(
             isinstance(k, torch_pytree.MappingKey | torch_pytree.GetAttrKey) for k in keys
         ):
-            return {_key_name(k): _convert(v) for k, v in entries if v is not None}
+            return OutputDict(
+                (_key_name(k), _convert(v)) for k, v in entries if v is not None
+            )
         return tuple(_convert(v) for _, v in entries)
     children, context = node.flatten_fn(x)
     if isinstance(context, list | tuple) and len(context) == len(children):
         # flatten_fn's context lists the keys of a dict-like (ModelOutput's does).
         if all(isinstance(k, str) for k in context):
-            return {k: _convert(v) for k, v in zip(context, children, strict=True) if v is not None}
+            pairs = zip(context, children, strict=True)
+            return OutputDict((k, _convert(v)) for k, v in pairs if v is not None)
     return tuple(_convert(v) for v in children)
 
 
