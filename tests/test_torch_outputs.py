@@ -86,7 +86,7 @@ def test_model_output_becomes_dict_of_non_none_fields(mode):
     assert isinstance(out, dict) and list(out) == ["logits", "hidden"]  # loss was None
     assert out.logits is out["logits"]  # attribute access, as on a ModelOutput
     with pytest.raises(AttributeError, match="no field 'loss'; its fields are"):
-        out.loss
+        _ = out.loss
     np.testing.assert_allclose(out["hidden"], jnp.tanh(x), rtol=1e-6)
     np.testing.assert_allclose(out["logits"], jnp.tanh(x) @ params["w"], rtol=1e-6)
 

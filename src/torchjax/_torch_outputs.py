@@ -89,9 +89,7 @@ def _convert(x: Any) -> Any:
         if keys and all(
             isinstance(k, torch_pytree.MappingKey | torch_pytree.GetAttrKey) for k in keys
         ):
-            return OutputDict(
-                (_key_name(k), _convert(v)) for k, v in entries if v is not None
-            )
+            return OutputDict((_key_name(k), _convert(v)) for k, v in entries if v is not None)
         return tuple(_convert(v) for _, v in entries)
     children, context = node.flatten_fn(x)
     if isinstance(context, list | tuple) and len(context) == len(children):
