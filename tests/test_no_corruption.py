@@ -486,3 +486,25 @@ def test_namedtuple_class_made_on_every_call():
 
     with pytest.raises(OutputMismatchError, match="class differs between calls.*module level"):
         torchjax.to_jax(f)(jnp.ones(2))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_batch_norm_running_statistics_write_is_refused(jit):
+    # batch_norm's CPU kernel writes running_mean/var through raw pointers: torch's schema
+    # does not mark them mutable and their version counters do not move. The guard refuses
+    # the write all the same, and the caller's arrays keep their values.
+    def fn(x, mean, var):
+        return torch.nn.functional.batch_norm(x, mean, var, training=True)
+
+    f = torchjax.to_jax(fn)
+    x, mean, var = jnp.arange(12.0).reshape(4, 3), jnp.zeros(3), jnp.ones(3)
+    if jit:
+        with pytest.raises(
+            Exception, match=r"InPlaceMutationError: .*fn modifies its input args\[1\]"
+        ):
+            jax.jit(f)(x, mean, var)
+    else:
+        with pytest.raises(InPlaceMutationError, match=r"args\[1\]"):
+            f(x, mean, var)
+    np.testing.assert_array_equal(mean, np.zeros(3))
+    np.testing.assert_array_equal(var, np.ones(3))
