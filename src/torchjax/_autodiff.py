@@ -267,6 +267,7 @@ class TapedFunction(_Derivative):
             masked, rest = g(*graph.leaves)
         if not any(o.requires_grad for o in masked):
             return masked, rest, 0
+        graph.let_go_of_inputs(tensors, [*masked, *rest])
         found = iter(masked)
         graph.outputs = [next(found) if m else None for m in self.out_mask]
         return masked, rest, GRAPHS.put(graph)
@@ -286,6 +287,7 @@ def _through(graph: KeptGraph, primals: tuple, out_mask: tuple, cotangents: tupl
     """The cotangents of graph's leaves from a kept forward; frees the graph."""
     # Saved views of the inputs are rebuilt from these: the same values as the forward's.
     graph.inputs = [x for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)]
+    graph.refill_leaves()
     outs = [o for o, m in zip(graph.outputs, out_mask, strict=True) if m]
     pairs = [(o, c) for o, c in zip(outs, cotangents, strict=True) if o is not None]
     pairs = [(o, c) for o, c in pairs if o.requires_grad]  # others do not depend on leaves

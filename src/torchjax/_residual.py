@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -26,7 +27,26 @@ from typing import Any
 
 import torch
 
-from torchjax._compat import DisableFuncTorch
+from torchjax._compat import DisableFuncTorch, storage_id, tensor_use_count
+
+_getrefcount = sys.getrefcount
+
+
+def _input_of(leaf: torch.Tensor, inputs: list[torch.Tensor]) -> int | None:
+    """The index of the input that `leaf` is a detached alias of, if any."""
+    if leaf._base is not None or not leaf.numel():
+        return None
+    for k, t in enumerate(inputs):
+        if (
+            storage_id(leaf) == storage_id(t)
+            and leaf.shape == t.shape
+            and leaf.stride() == t.stride()
+            and leaf.storage_offset() == t.storage_offset()
+            and leaf.dtype == t.dtype
+        ):
+            return k
+    return None
+
 
 # Kept graphs whose VJP never runs (XLA dropped it, an exception came in between, a forward-
 # only use) must not accumulate: the oldest are evicted, and their VJPs recompute.
@@ -38,13 +58,40 @@ class KeptGraph:
     """One forward's autograd graph: the differentiated leaves, the outputs on it, and the
     inputs its saved tensors refer to (filled in by the VJP before the backward)."""
 
-    __slots__ = ("leaves", "outputs", "nbytes", "inputs", "__weakref__")
+    __slots__ = ("leaves", "outputs", "nbytes", "inputs", "refill", "__weakref__")
 
     def __init__(self) -> None:
         self.leaves: list[torch.Tensor] = []
         self.outputs: list[torch.Tensor] = []
         self.nbytes = 0
         self.inputs: list[torch.Tensor] = []
+        self.refill: list[int | None] = []  # per leaf: the input to refill it from
+
+    def let_go_of_inputs(self, inputs: list[torch.Tensor], returned: list[Any]) -> None:
+        """Empty the leaves, which share the memory of `inputs`, until the VJP refills them.
+
+        Under jit an input is XLA's buffer for this call only: a leaf the graph keeps alive
+        would make the call copy it (_guard.release), a copy of every parameter per
+        training step. Only the graph needs the leaves (saved views of inputs are rebuilt
+        from the VJP's inputs anyway), and the VJP gets the same inputs again. A leaf
+        anything else holds (returned, cached by the function) is left as it is.
+        """
+        self.refill = []
+        for leaf in self.leaves:
+            uses, refs = tensor_use_count(leaf), _getrefcount(leaf)
+            # References: the list, `leaf`, getrefcount's argument, and torch's own while
+            # the graph's AccumulateGrad node (the one other user) holds it.
+            alone = uses <= 2 and refs == 2 + uses and not any(r is leaf for r in returned)
+            k = _input_of(leaf, inputs) if alone else None
+            if k is not None:
+                leaf.data = leaf.new_empty(0)
+            self.refill.append(k)
+
+    def refill_leaves(self) -> None:
+        """Give the emptied leaves the VJP's inputs, the values the forward saw."""
+        for leaf, k in zip(self.leaves, self.refill, strict=False):
+            if k is not None:
+                leaf.data = self.inputs[k]
 
 
 class GraphStore:
@@ -98,7 +145,9 @@ class _InputView:
 def recording(graph: KeptGraph, inputs: list[torch.Tensor]) -> Iterator[None]:
     """Record a forward into `graph`: saved views of `inputs` by reference, their sizes
     not counted; everything else torch saves counted in graph.nbytes."""
-    where = {t.untyped_storage().data_ptr(): k for k, t in enumerate(inputs) if t.numel()}
+    # Storage ids, not data pointers: asking a protected input for its data pointer is a
+    # request to write (see _guard.py), and would make the call run on copies.
+    where = {storage_id(t): k for k, t in enumerate(inputs) if t.numel()}
     dtypes = [t.dtype for t in inputs]
     # The hooks live as long as the autograd graph, which the KeptGraph holds: a strong
     # reference back would be a cycle through C++ that Python's collector cannot see.
@@ -109,7 +158,7 @@ def recording(graph: KeptGraph, inputs: list[torch.Tensor]) -> Iterator[None]:
             return t
         if t.layout != torch.strided or t.is_nested:
             return t.detach()  # sparse or nested: no storage that an input could share
-        k = where.get(t.untyped_storage().data_ptr())
+        k = where.get(storage_id(t))
         if k is not None:
             if t.dtype == dtypes[k] and not t.is_conj() and not t.is_neg():
                 return _InputView(k, t)
