@@ -272,3 +272,45 @@ def test_kept_graph_with_sparse_intermediates(jit):
     want.backward()
     np.testing.assert_allclose(val, want.item(), rtol=1e-6)
     np.testing.assert_allclose(grad, xt.grad.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_step_copies_no_input(jit, monkeypatch):
+    # The kept graph must not make the call copy its inputs: neither by running it on
+    # copies (a protected input asked for a writable pointer) nor by giving XLA's buffers
+    # a private copy because the graph keeps the parameters alive (release).
+    from torchjax import _call_plan, _lowering
+
+    copied = []
+    on_copies = _call_plan.CallPlan._invoke_on_copies
+    released = _lowering.release
+    monkeypatch.setattr(
+        _call_plan.CallPlan,
+        "_invoke_on_copies",
+        lambda self, *a, **k: copied.append("on copies") or on_copies(self, *a, **k),
+    )
+    monkeypatch.setattr(_lowering, "release", lambda t: copied.append("release") or released(t))
+    step = jax.value_and_grad(torchjax.to_jax(_mlp_loss))
+    step = jax.jit(step) if jit else step
+    for _ in range(3):
+        value, grads = step(PARAMS, X)
+    assert copied == []
+    ref_value, ref_grads = jax.value_and_grad(_mlp_loss_jax)(PARAMS, X)
+    _close(value, ref_value)
+    _close(grads["w1"], ref_grads["w1"])
+
+
+def test_a_function_that_keeps_its_input_still_reads_the_call_values():
+    # The leaf it keeps is not emptied (the graph is not its only holder), and under jit
+    # its memory is its own after the call: later reads see this call's values.
+    kept = []
+
+    def loss(w, x):
+        kept.append(w)
+        return (torch.tanh(x @ w) ** 2).sum()
+
+    f = jax.jit(jax.value_and_grad(torchjax.to_jax(loss)))
+    w = jnp.linspace(-1.0, 1.0, 8).reshape(4, 2)
+    f(w, X)
+    jax.block_until_ready(f(w * 2, X))
+    np.testing.assert_allclose(kept[-1].detach().numpy(), np.asarray(w * 2), rtol=1e-6)
