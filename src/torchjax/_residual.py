@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 
-from torchjax._compat import DisableFuncTorch, storage_id, tensor_use_count
+from torchjax._compat import DisableFuncTorch, is_view, storage_id, tensor_use_count
 
 _getrefcount = sys.getrefcount
 
 
 def _input_of(leaf: torch.Tensor, inputs: list[torch.Tensor]) -> int | None:
     """The index of the input that `leaf` is a detached alias of, if any."""
-    if leaf._base is not None or not leaf.numel():
+    if is_view(leaf) or not leaf.numel():
         return None
     for k, t in enumerate(inputs):
         if (
