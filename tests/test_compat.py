@@ -46,6 +46,9 @@ PRIVATE_NAMES = [
     "jax.interpreters.partial_eval.partial_eval_jaxpr_custom_rules"
     " | jax._src.interpreters.partial_eval.partial_eval_jaxpr_custom_rules",
     "jax._src.interpreters.partial_eval.ensure_enum",
+    "jax._src.interpreters.ad.primitive_linearizations",
+    "jax._src.interpreters.ad.fallback_linearize_rule",
+    "jax._src.interpreters.ad.LinearizeTrace",
     "jax._src.interpreters.partial_eval.RecomputeType",
     "jax._src.config.enable_x64",
     "jax._src.lib._jax.dlpack_managed_tensor_to_buffer",
@@ -296,3 +299,31 @@ def test_a_missing_required_name_fails_the_import_by_name():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "torch._C._DisableFuncTorch" in out.stdout and "docs/install.md" in out.stdout
+
+
+def test_direct_linearization_is_registered_and_agrees_with_jax_fallback(monkeypatch):
+    # Each JAX generation's calling convention is recognized (the matrix runs this on the
+    # oldest and newest), and without the rule JAX's own linearization of the JVP rule
+    # gives the same values: the rule costs nothing but time to lose.
+    import torchjax
+    from torchjax import _compat
+    from torchjax._torch_call import torch_call_p
+
+    assert _compat.LINEARIZE_CONVENTION in ("nonzeros", "is_vjp", "structured")
+    table = _compat._linearizations
+    assert torch_call_p.primitive in table
+
+    def loss(w, x):
+        return (torch.tanh(x @ w) ** 2).sum(), x.sum()
+
+    f = torchjax.to_jax(loss)
+    w = jnp.linspace(-1.0, 1.0, 6).reshape(3, 2)
+    x = jnp.linspace(0.5, 2.0, 12).reshape(4, 3)
+    step = lambda w, x: jax.value_and_grad(lambda w: f(w, x)[0])(w)
+    got = [step(w, x), jax.jit(step)(w, x), jax.linearize(lambda w: f(w, x)[0], w)[1](w)]
+    monkeypatch.delitem(table, torch_call_p.primitive)
+    want = [step(w, x), jax.jit(step)(w, x), jax.linearize(lambda w: f(w, x)[0], w)[1](w)]
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    ref = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+    np.testing.assert_allclose(got[0][1], ref, rtol=1e-5)

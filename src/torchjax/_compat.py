@@ -17,7 +17,9 @@
 # of JAX's modules: each holds exactly the names torchjax uses, resolved once.
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import operator
 import sys
 import types
@@ -221,6 +223,66 @@ ad = types.SimpleNamespace(
         "jax._src.interpreters.ad.is_undefined_primal",
     ),
 )
+
+# Direct linearization (JAX's LinearizeTrace: grad, vjp, linearize): a primitive's own rule
+# replaces JAX's fallback, which traces the JVP rule into a jaxpr, partially evaluates and
+# prunes it on every call. The rule's calling convention changed twice: JAX 0.8 passes the
+# nonzero mask and the primals; later ones an is_vjp flag first; JAX 0.11 takes structured
+# residuals back too (none here), passed to the linearized function before the tangents.
+_SLOWER_LINEARIZE = "JAX's own linearization of the JVP rule (slower reverse mode)"
+_linearizations = _private(
+    "jax._src.interpreters.ad.primitive_linearizations", fallback=_SLOWER_LINEARIZE
+)
+_fallback_linearize = _private(
+    "jax._src.interpreters.ad.fallback_linearize_rule", fallback=_SLOWER_LINEARIZE
+)
+_LinearizeTrace = _private("jax._src.interpreters.ad.LinearizeTrace", fallback=_SLOWER_LINEARIZE)
+
+
+def _linearize_convention() -> str | None:
+    if _ABSENT in (_linearizations, _fallback_linearize, _LinearizeTrace):
+        return None
+    try:
+        names = list(inspect.signature(_fallback_linearize).parameters)
+    except (TypeError, ValueError):
+        return None
+    if names[:3] == ["_prim", "_nonzeros", "primals"]:
+        return "nonzeros"
+    if names[:3] != ["_prim", "_is_vjp", "_nonzeros"]:
+        return None
+    structured = "structured_residuals" in getattr(_LinearizeTrace, "__annotations__", {})
+    return "structured" if structured else "is_vjp"
+
+
+LINEARIZE_CONVENTION = _linearize_convention()
+
+
+def register_linearization(primitive: Any, rule: Any) -> bool:
+    """Register `rule` as `primitive`'s direct linearization; False where JAX has none.
+
+    ``rule(nonzeros, *primals, **params)`` returns ``(outputs, output_nonzeros, residuals,
+    linearized)``, with ``linearized(residuals, *tangents)`` the output tangents, or None
+    to leave this call to JAX's fallback.
+    """
+    convention = LINEARIZE_CONVENTION
+    if convention is None:
+        return False
+    fallback = functools.partial(_fallback_linearize, primitive)
+
+    def lin(*args: Any, **params: Any) -> Any:
+        nonzeros, *primals = args if convention == "nonzeros" else args[1:]
+        found = rule(nonzeros, *primals, **params)
+        if found is None:
+            return fallback(*args, **params)
+        if convention != "structured":
+            return found
+        out, nonzeros_out, residuals, linearized = found
+        return out, nonzeros_out, residuals, None, lambda r, _, *t: linearized(r, *t)
+
+    _linearizations[primitive] = lin
+    return True
+
+
 batching = types.SimpleNamespace(
     primitive_batchers=_private(
         "jax.interpreters.batching.primitive_batchers",

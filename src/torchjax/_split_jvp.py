@@ -25,9 +25,10 @@ import jax
 
 from torchjax import _batching
 from torchjax._autodiff import JvpFunction, TapedFunction, VjpFunction
-from torchjax._compat import core
+from torchjax._compat import ad, core, register_linearization
 from torchjax._compat import partial_eval as pe
-from torchjax._pytree_types import _ARRAY, _rebuild
+from torchjax._derivative import _inexact
+from torchjax._pytree_types import _ARRAY, _is_operand, _rebuild
 from torchjax._torch_call import torch_call_p
 
 _prim = torch_call_p.primitive
@@ -71,6 +72,49 @@ def _partial_eval(trace: pe.JaxprTrace, *tracers: Any, **flat: Any) -> list:
 
 
 pe.custom_partial_eval_rules[_prim] = _partial_eval
+
+
+def _linearize(nonzeros: list, *operands: Any, in_tree, statics, signature, params) -> Any:
+    """Direct linearization (jax.grad, jax.vjp, jax.linearize), the split above without
+    first tracing the JVP into a jaxpr: the forward runs now as TapedFunction, and the
+    linear half is bound on the tangent trace. None: JAX's fallback (through the JVP rule)
+    handles the call, e.g. a VJP differentiated with respect to its cotangents."""
+    fn, options = dict(params)["fn"], dict(params)["options"]
+    if isinstance(fn, VjpFunction):
+        return None
+    primals = _rebuild(in_tree, statics, operands)
+    leaves, tree = jax.tree_util.tree_flatten(primals)
+    marks = tree.flatten_up_to(_rebuild(in_tree, statics, list(nonzeros), fill=False))
+    wrt = tuple(
+        i
+        for i, (x, nz) in enumerate(zip(leaves, marks, strict=True))
+        if nz and _is_operand(x) and _inexact(x.dtype)
+    )
+    out_avals = signature.out_avals
+    out_mask = tuple(_inexact(a.dtype) for a in out_avals)
+    if not wrt or not any(out_mask):
+        return None
+    taped = TapedFunction(fn, wrt, out_mask, options.grad_method)
+    *out, handle, rng = torch_call_p.bind(*primals, fn=taped, options=options)
+    linear = JvpFunction(fn, wrt, out_mask, options.grad_method, taped=True)
+
+    def linearized(residuals: Any, *tangents: Any) -> list:
+        del residuals  # the closure's: the primals, the graph's handle and the RNG state
+        given = [None if type(t) is ad.Zero else t for t in tangents]
+        t_leaves = tree.flatten_up_to(_rebuild(in_tree, statics, given, fill=None))
+        wrt_tangents = tuple(t_leaves[i] for i in wrt)
+        flat = iter(
+            torch_call_p.bind(primals, (handle, rng), wrt_tangents, fn=linear, options=options)
+        )
+        return [
+            next(flat) if m else ad.Zero(a.to_tangent_aval())
+            for m, a in zip(out_mask, out_avals, strict=True)
+        ]
+
+    return out, list(out_mask), None, linearized
+
+
+register_linearization(_prim, _linearize)
 
 
 def _partial_eval_custom(saveable: Any, unks_in: list, inst_in: list, eqn: Any) -> tuple:
