@@ -4,7 +4,9 @@
 # (`functional_forward(params, x)`: the same torch ops, the same arrays in and out), so a
 # ratio above 1 is what module_to_jax adds: the variables plumbing, and torch's own cost of
 # calling nn.Modules (hooks checks, attribute lookups), which the "native torch" row shows
-# without JAX. `to_jax(functional_call)` is what wrapping the module by hand costs.
+# without JAX. `to_jax(functional_call)` is what wrapping the module by hand costs, and
+# `to_jax(module)` with the parameters closed over runs the same module call as apply: the
+# ratio against it is module_to_jax's own cost, the variables plumbing.
 from __future__ import annotations
 
 import jax
@@ -39,11 +41,16 @@ def _measure(batch: int, d_in: int, d_hidden: int, d_out: int, full: bool) -> Ta
     f = torchjax.to_jax(functional_forward)
     by_hand = torchjax.to_jax(lambda p, x: torch.func.functional_call(net, p, (x,)))
 
+    # The same torch code, the module's own call, with its parameters as constants: what
+    # module_to_jax adds to a module call is the variables plumbing alone.
+    closed = torchjax.to_jax(lambda x: net(x))
     apply_jit, f_jit, by_hand_jit = jax.jit(apply), jax.jit(f), jax.jit(by_hand)
+    closed_jit = jax.jit(closed)
     grad_apply = jax.jit(jax.grad(lambda v, x: jnp.sum(apply(v, x) ** 2)))
     grad_f = jax.jit(jax.grad(lambda p, x: jnp.sum(f(p, x) ** 2)))
     want = f(params, x)
     assert float(jnp.abs(apply_jit(variables, x) - want).max()) < 1e-5
+    assert float(jnp.abs(closed_jit(x) - want).max()) < 1e-5
     got, ref = grad_apply(variables, x)["params"], grad_f(params, x)
     err = max(float(jnp.abs(got[k] - ref[k]).max() / (jnp.abs(ref[k]).max() + 1)) for k in ref)
     assert err < 1e-5, err
@@ -87,6 +94,18 @@ def _measure(batch: int, d_in: int, d_hidden: int, d_out: int, full: bool) -> Ta
                 lambda: apply_jit(variables, x).block_until_ready(),
                 "jax.jit(to_jax(functional_call))",
                 lambda: by_hand_jit(params, x).block_until_ready(),
+            ),
+            paired_row(
+                "jax.jit(apply)",
+                lambda: apply_jit(variables, x).block_until_ready(),
+                "jax.jit(to_jax(module)) (its parameters closed over)",
+                lambda: closed_jit(x).block_until_ready(),
+            ),
+            paired_row(
+                "apply eager",
+                lambda: apply(variables, x).block_until_ready(),
+                "to_jax(module) eager (its parameters closed over)",
+                lambda: closed(x).block_until_ready(),
             ),
             paired_row(
                 "native torch: module(x)",

@@ -1,13 +1,19 @@
 # A training step through module_to_jax against the same step in torch, and its memory.
 #
 # MLP 512-512-10, batch 256, mean squared error, SGD. torchjax: jax.jit of value_and_grad of
-# a loss computed in JAX from the module's output, then the SGD update in JAX. torch: the
-# module's forward, the loss, backward and torch.optim.SGD.step. Both update the same
-# weights from the same data (checked). Eager jax.value_and_grad of a wrapped torch loss is
-# timed against torch's forward + backward. The forward keeps torch's graph for the VJP,
-# so each step runs one forward and one backward, as torch does. Peak memory: each step
-# runs 20 times in a fresh process after two warm-up steps; the peak RSS above the RSS
-# before them (sampled every 0.5 ms).
+# a loss computed in JAX from the module's output, then the SGD update in JAX, the params
+# donated (the JAX idiom for an in-place update). torch: the module's forward, the loss,
+# backward and torch.optim.SGD.step. Both update the same weights from the same data
+# (checked). Eager jax.value_and_grad of a wrapped torch loss is timed against torch's
+# forward + backward. The forward keeps torch's graph for the VJP, so each step runs one
+# forward and one backward, as torch does.
+#
+# Peak memory: each side runs 30 steps in a fresh process after two warm-up steps (torch's
+# gradients then set to None, as zero_grad leaves them), with batch 2048 so that a step's
+# peak lasts long enough to be seen; a thread samples the bytes in use in malloc's heap
+# (glibc's mallinfo2: torch and XLA's CPU buffers both come from it) every 0.2 ms, and the
+# peak above the resting value is a step's own memory. RSS would not do: the allocator keeps
+# freed pages, so RSS growth says little about what a step needs.
 from __future__ import annotations
 
 import subprocess
@@ -22,6 +28,7 @@ from _timing import Table, format_tables, paired_row
 import torchjax
 
 BATCH, D_IN, D_HIDDEN, D_OUT, LR = 256, 512, 512, 10, 0.01
+MEMORY_BATCH = 2048  # the peak-memory runs: a step long enough for its peak to be seen
 
 
 def _setup():
@@ -40,12 +47,11 @@ def _jax_step(model):
     def loss(params, x, y):
         return jnp.mean((apply({"params": params, "buffers": buffers}, x) - y) ** 2)
 
-    @jax.jit
     def step(params, x, y):
         value, grads = jax.value_and_grad(loss)(params, x, y)
         return value, jax.tree.map(lambda p, g: p - LR * g, params, grads)
 
-    return step, variables["params"]
+    return jax.jit(step, donate_argnums=0), variables["params"]
 
 
 def _torch_step(model):
@@ -71,6 +77,13 @@ def measure() -> list[Table]:
     assert abs(float(value) - float(torch_step(x_t, y_t))) < 1e-5
     for name, p in model.named_parameters():
         assert float(jnp.abs(new_params[name] - torchjax.tree_to_jax(p.detach())).max()) < 1e-5
+    state = [new_params]  # donated: each step's params are the last one's output
+
+    def run_jax_step():
+        value, state[0] = jax_step(state[0], x, y)
+        return jax.block_until_ready(value)
+
+    params = {k: torchjax.tree_to_jax(v.detach()).copy() for k, v in model.named_parameters()}
 
     def wrapped_loss(params, x, y):  # torch: the whole loss
         out = torch.func.functional_call(model, params, (x,))
@@ -87,12 +100,12 @@ def measure() -> list[Table]:
     return [
         (
             f"MLP {D_IN}-{D_HIDDEN}-{D_OUT}, batch {BATCH}, MSE, SGD (a step's peak memory "
-            f"above the resting RSS: torchjax {memory['jax']:.1f} MiB, torch "
-            f"{memory['torch']:.1f} MiB)",
+            f"in use, batch {MEMORY_BATCH}: torchjax {memory['jax']:.1f} MiB, torch "
+            f"{memory['torch']:.1f} MiB, {memory['jax'] / memory['torch']:.2f}x)",
             [
                 paired_row(
                     "jax.jit(value_and_grad + SGD) via module_to_jax",
-                    lambda: jax.block_until_ready(jax_step(params, x, y)),
+                    run_jax_step,
                     "torch forward, loss, backward, SGD step",
                     lambda: torch_step(x_t, y_t),
                 ),
@@ -108,29 +121,40 @@ def measure() -> list[Table]:
 
 
 _MEMORY_SCRIPT = """
-import os, sys, threading, time
+import ctypes, sys, threading, time
 sys.path.insert(0, {here!r})
 import jax, bench_train as b
+b.BATCH = b.MEMORY_BATCH
 model, x_t, y_t = b._setup()
 if {side!r} == "jax":
     import torchjax
     step, params = b._jax_step(model)
     x, y = torchjax.tree_to_jax((x_t, y_t))
-    run = lambda: jax.block_until_ready(step(params, x, y))
+    state = [params]
+    def run():
+        value, state[0] = step(state[0], x, y)
+        jax.block_until_ready(value)
 else:
     step = b._torch_step(model)
     run = lambda: step(x_t, y_t)
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+def in_use():
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd  # heap chunks in use + mmapped chunks
 run(); run()  # compile and warm up: what follows is a step's own memory
-base, peak, done = rss(), [0], []
+model.zero_grad(set_to_none=True)  # torch's resting state between steps
+base, peak, done = in_use(), [0], []
 def sample():
     while not done:
-        peak[0] = max(peak[0], rss())
-        time.sleep(0.0005)
+        peak[0] = max(peak[0], in_use())
+        time.sleep(0.0002)
 t = threading.Thread(target=sample); t.start()
-for _ in range(20):
+for _ in range(30):
     run()
 done.append(1); t.join()
 print((peak[0] - base) / 2**20)
