@@ -233,6 +233,7 @@ class TapedFunction(_Derivative):
     wrt: tuple
     out_mask: tuple
     grad_method: str
+    keep: bool = True  # False: the linear half is applied forward, and recomputes
 
     def arg_path(self, path: tuple) -> str:
         return self.inner.arg_path(path)  # its args are inner's own
@@ -245,7 +246,7 @@ class TapedFunction(_Derivative):
         handle = 0
         # A derivative (grad of grad) is differentiated again by torch.func, which does
         # not take saved-tensor hooks: only the user's own function keeps its graph.
-        if _outermost(primals) and not self.inner.grad_mode:
+        if self.keep and _outermost(primals) and not self.inner.grad_mode:
             try:
                 masked, rest, handle = self._keep_graph(g, x, tensors)
             except RuntimeError as e:

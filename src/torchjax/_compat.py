@@ -260,9 +260,10 @@ LINEARIZE_CONVENTION = _linearize_convention()
 def register_linearization(primitive: Any, rule: Any) -> bool:
     """Register `rule` as `primitive`'s direct linearization; False where JAX has none.
 
-    ``rule(nonzeros, *primals, **params)`` returns ``(outputs, output_nonzeros, residuals,
-    linearized)``, with ``linearized(residuals, *tangents)`` the output tangents, or None
-    to leave this call to JAX's fallback.
+    ``rule(is_vjp, nonzeros, *primals, **params)`` returns ``(outputs, output_nonzeros,
+    residuals, linearized)``, with ``linearized(residuals, *tangents)`` the output tangents,
+    or None to leave this call to JAX's fallback. `is_vjp` says whether the linear half will
+    be transposed (grad, vjp) or applied forward (linearize); None where JAX does not say.
     """
     convention = LINEARIZE_CONVENTION
     if convention is None:
@@ -270,8 +271,10 @@ def register_linearization(primitive: Any, rule: Any) -> bool:
     fallback = functools.partial(_fallback_linearize, primitive)
 
     def lin(*args: Any, **params: Any) -> Any:
-        nonzeros, *primals = args if convention == "nonzeros" else args[1:]
-        found = rule(nonzeros, *primals, **params)
+        is_vjp, (nonzeros, *primals) = (
+            (None, args) if convention == "nonzeros" else (args[0], args[1:])
+        )
+        found = rule(is_vjp, nonzeros, *primals, **params)
         if found is None:
             return fallback(*args, **params)
         if convention != "structured":

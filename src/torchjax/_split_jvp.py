@@ -74,11 +74,15 @@ def _partial_eval(trace: pe.JaxprTrace, *tracers: Any, **flat: Any) -> list:
 pe.custom_partial_eval_rules[_prim] = _partial_eval
 
 
-def _linearize(nonzeros: list, *operands: Any, in_tree, statics, signature, params) -> Any:
+def _linearize(
+    is_vjp: bool | None, nonzeros: list, *operands: Any, in_tree, statics, signature, params
+) -> Any:
     """Direct linearization (jax.grad, jax.vjp, jax.linearize), the split above without
     first tracing the JVP into a jaxpr: the forward runs now as TapedFunction, and the
-    linear half is bound on the tangent trace. None: JAX's fallback (through the JVP rule)
-    handles the call, e.g. a VJP differentiated with respect to its cotangents."""
+    linear half is bound on the tangent trace. A linear half that will be applied forward
+    (jax.linearize: is_vjp False) recomputes anyway, so no graph is kept for it. None: JAX's
+    fallback (through the JVP rule) handles the call, e.g. a VJP differentiated with
+    respect to its cotangents."""
     fn, options = dict(params)["fn"], dict(params)["options"]
     if isinstance(fn, VjpFunction):
         return None
@@ -94,7 +98,7 @@ def _linearize(nonzeros: list, *operands: Any, in_tree, statics, signature, para
     out_mask = tuple(_inexact(a.dtype) for a in out_avals)
     if not wrt or not any(out_mask):
         return None
-    taped = TapedFunction(fn, wrt, out_mask, options.grad_method)
+    taped = TapedFunction(fn, wrt, out_mask, options.grad_method, keep=is_vjp is not False)
     *out, handle, rng = torch_call_p.bind(*primals, fn=taped, options=options)
     linear = JvpFunction(fn, wrt, out_mask, options.grad_method, taped=True)
 
