@@ -66,11 +66,14 @@ def _measure(batch: int, d_in: int, d_hidden: int, d_out: int, full: bool) -> Ta
         with torch.no_grad():
             return functional_forward(params_t, x_t)
 
+    def run_apply_jit():
+        return apply_jit(variables, x).block_until_ready()
+
     base_name = "to_jax(functional_forward)"
     rows = [
         paired_row(
             "jax.jit(apply)",
-            lambda: apply_jit(variables, x).block_until_ready(),
+            run_apply_jit,
             f"jax.jit({base_name})",
             lambda: f_jit(params, x).block_until_ready(),
         ),
@@ -91,13 +94,13 @@ def _measure(batch: int, d_in: int, d_hidden: int, d_out: int, full: bool) -> Ta
             ),
             paired_row(
                 "jax.jit(apply)",
-                lambda: apply_jit(variables, x).block_until_ready(),
+                run_apply_jit,
                 "jax.jit(to_jax(functional_call))",
                 lambda: by_hand_jit(params, x).block_until_ready(),
             ),
             paired_row(
                 "jax.jit(apply)",
-                lambda: apply_jit(variables, x).block_until_ready(),
+                run_apply_jit,
                 "jax.jit(to_jax(module)) (its parameters closed over)",
                 lambda: closed_jit(x).block_until_ready(),
             ),

@@ -320,6 +320,15 @@ def _device_of(primals: tuple) -> torch.device | None:
     return next((x.device for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)), None)
 
 
+def differentiated(leaves: list, tangents: list) -> tuple:
+    """The positions of the float array leaves whose tangent is not None (a symbolic zero)."""
+    return tuple(
+        i
+        for i, (x, t) in enumerate(zip(leaves, tangents, strict=True))
+        if t is not None and _is_operand(x) and _inexact(x.dtype)
+    )
+
+
 @torch_call_p.def_jvp
 def _jvp(primals: tuple, tangents: tuple, *, fn: Any, options: Options) -> tuple[Any, Any]:
     """Outputs and tangents from one call, JvpFunction(fn, with_primals=True), given the
@@ -328,11 +337,7 @@ def _jvp(primals: tuple, tangents: tuple, *, fn: Any, options: Options) -> tuple
         return _jvp_of_pullback(primals, tangents[-1], fn, options)
     leaves, tree = _tree.tree_flatten(primals)
     t_leaves = tree.flatten_up_to(tangents)
-    wrt = tuple(
-        i
-        for i, (x, t) in enumerate(zip(leaves, t_leaves, strict=True))
-        if t is not None and _is_operand(x) and _inexact(x.dtype)
-    )
+    wrt = differentiated(leaves, t_leaves)
     out_types = torch_call_p.abstract_eval(*primals, fn=fn, options=options)
     out_leaves, out_tree = _tree.tree_flatten(out_types)
     out_mask = tuple(_inexact(o.dtype) for o in out_leaves)

@@ -36,9 +36,10 @@ def _input_of(leaf: torch.Tensor, inputs: list[torch.Tensor]) -> int | None:
     """The index of the input that `leaf` is a detached alias of, if any."""
     if is_view(leaf) or not leaf.numel():
         return None
+    storage = storage_id(leaf)
     for k, t in enumerate(inputs):
         if (
-            storage_id(leaf) == storage_id(t)
+            storage == storage_id(t)
             and leaf.shape == t.shape
             and leaf.stride() == t.stride()
             and leaf.storage_offset() == t.storage_offset()
@@ -89,7 +90,7 @@ class KeptGraph:
 
     def refill_leaves(self) -> None:
         """Give the emptied leaves the VJP's inputs, the values the forward saw."""
-        for leaf, k in zip(self.leaves, self.refill, strict=False):
+        for leaf, k in zip(self.leaves, self.refill, strict=True):
             if k is not None:
                 leaf.data = self.inputs[k]
 

@@ -24,11 +24,11 @@ from typing import Any
 import jax
 
 from torchjax import _batching
-from torchjax._autodiff import JvpFunction, TapedFunction, VjpFunction
+from torchjax._autodiff import JvpFunction, TapedFunction, VjpFunction, differentiated
 from torchjax._compat import ad, core, register_linearization
 from torchjax._compat import partial_eval as pe
 from torchjax._derivative import _inexact
-from torchjax._pytree_types import _ARRAY, _is_operand, _rebuild
+from torchjax._pytree_types import _ARRAY, _rebuild
 from torchjax._torch_call import torch_call_p
 
 _prim = torch_call_p.primitive
@@ -83,17 +83,14 @@ def _linearize(
     (jax.linearize: is_vjp False) recomputes anyway, so no graph is kept for it. None: JAX's
     fallback (through the JVP rule) handles the call, e.g. a VJP differentiated with
     respect to its cotangents."""
-    fn, options = dict(params)["fn"], dict(params)["options"]
+    params = dict(params)
+    fn, options = params["fn"], params["options"]
     if isinstance(fn, VjpFunction):
         return None
     primals = _rebuild(in_tree, statics, operands)
     leaves, tree = jax.tree_util.tree_flatten(primals)
-    marks = tree.flatten_up_to(_rebuild(in_tree, statics, list(nonzeros), fill=False))
-    wrt = tuple(
-        i
-        for i, (x, nz) in enumerate(zip(leaves, marks, strict=True))
-        if nz and _is_operand(x) and _inexact(x.dtype)
-    )
+    marks = [True if nz else None for nz in nonzeros]
+    wrt = differentiated(leaves, tree.flatten_up_to(_rebuild(in_tree, statics, marks, fill=None)))
     out_avals = signature.out_avals
     out_mask = tuple(_inexact(a.dtype) for a in out_avals)
     if not wrt or not any(out_mask):
