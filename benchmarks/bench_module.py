@@ -6,7 +6,9 @@
 # calling nn.Modules (hooks checks, attribute lookups), which the "native torch" row shows
 # without JAX. `to_jax(functional_call)` is what wrapping the module by hand costs, and
 # `to_jax(module)` with the parameters closed over runs the same module call as apply: the
-# ratio against it is module_to_jax's own cost, the variables plumbing.
+# ratio against it is module_to_jax's own cost, the variables plumbing. The "least module
+# bridge" (parameters set into the module by hand, nothing checked) is the floor for any
+# bridge that calls the module: its ratio to functional_forward is torch's cost alone.
 from __future__ import annotations
 
 import jax
@@ -23,6 +25,29 @@ LARGE = (256, 512, 512, 10)  # bench_grad.py's MLP: compute dominates
 def functional_forward(params, x):  # {'0.weight': [H, D], ...}, [B, D] -> [B, O]
     h = torch.tanh(torch.nn.functional.linear(x, params["0.weight"], params["0.bias"]))
     return torch.nn.functional.linear(h, params["2.weight"], params["2.bias"])
+
+
+def _least_module_bridge(net: torch.nn.Module, names: list[str]):
+    """The least a bridge that runs the module itself can do: the parameters as flat
+    arguments, put into the module's parameter dicts by hand (no checks, no variables
+    tree), the module called, its own tensors put back. Its ratio to functional_forward is
+    the floor for module_to_jax: torch's nn.Module call cost and nothing of ours."""
+    slots = []
+    for name in names:
+        owner, _, key = name.rpartition(".")
+        slots.append((net.get_submodule(owner)._parameters, key))
+
+    def least(*tensors):
+        old = [d[k] for d, k in slots]
+        for (d, k), t in zip(slots, tensors, strict=False):
+            d[k] = t
+        try:
+            return net(tensors[-1])
+        finally:
+            for (d, k), t in zip(slots, old, strict=True):
+                d[k] = t
+
+    return least
 
 
 def measure() -> list[Table]:
@@ -44,13 +69,17 @@ def _measure(batch: int, d_in: int, d_hidden: int, d_out: int, full: bool) -> Ta
     # The same torch code, the module's own call, with its parameters as constants: what
     # module_to_jax adds to a module call is the variables plumbing alone.
     closed = torchjax.to_jax(lambda x: net(x))
+    names = list(params)
+    least = torchjax.to_jax(_least_module_bridge(net, names))
     apply_jit, f_jit, by_hand_jit = jax.jit(apply), jax.jit(f), jax.jit(by_hand)
-    closed_jit = jax.jit(closed)
+    closed_jit, least_jit = jax.jit(closed), jax.jit(least)
+    flat_params = [params[k] for k in names]
     grad_apply = jax.jit(jax.grad(lambda v, x: jnp.sum(apply(v, x) ** 2)))
     grad_f = jax.jit(jax.grad(lambda p, x: jnp.sum(f(p, x) ** 2)))
     want = f(params, x)
     assert float(jnp.abs(apply_jit(variables, x) - want).max()) < 1e-5
     assert float(jnp.abs(closed_jit(x) - want).max()) < 1e-5
+    assert float(jnp.abs(least_jit(*flat_params, x) - want).max()) < 1e-5
     got, ref = grad_apply(variables, x)["params"], grad_f(params, x)
     err = max(float(jnp.abs(got[k] - ref[k]).max() / (jnp.abs(ref[k]).max() + 1)) for k in ref)
     assert err < 1e-5, err
@@ -109,6 +138,12 @@ def _measure(batch: int, d_in: int, d_hidden: int, d_out: int, full: bool) -> Ta
                 lambda: apply(variables, x).block_until_ready(),
                 "to_jax(module) eager (its parameters closed over)",
                 lambda: closed(x).block_until_ready(),
+            ),
+            paired_row(
+                "jax.jit(to_jax(least module bridge))",
+                lambda: least_jit(*flat_params, x).block_until_ready(),
+                f"jax.jit({base_name})",
+                lambda: f_jit(params, x).block_until_ready(),
             ),
             paired_row(
                 "native torch: module(x)",

@@ -206,3 +206,69 @@ def test_optax_training_matches_torch_optim_adam():
     torch_losses = example.train_with_torch(40)
     np.testing.assert_allclose(jax_losses, torch_losses, rtol=2e-3, atol=1e-5)
     assert jax_losses[-1] < 0.2 * jax_losses[0]  # it actually trained
+
+
+class _Structures(torch.nn.Module):
+    """A buffer tied between two submodules and written in place, and a forward that takes
+    a static int, keyword arrays, None and a dict: every way apply's call can be shaped."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.register_buffer("count", torch.zeros(()))
+        self.sub = torch.nn.Module()
+        self.sub.register_buffer("count", self.count)
+
+    def forward(self, x, k=1, scale=None, *, extra=None):
+        if isinstance(x, dict):
+            x = x["a"] - x["b"]
+        self.count.add_(1)
+        y = self.lin(x) * k
+        if scale is not None:
+            y = y * scale
+        if extra is not None:
+            y = y + extra
+        return y, self.sub.count * 1
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: ((x,), {}),
+        lambda x: ((x, 2), {}),
+        lambda x: ((x, 1, None), {"extra": x[:, :3]}),
+        lambda x: ((x,), {"scale": jnp.float32(3.0)}),
+        lambda x: (({"a": x, "b": 2 * x}, 3), {}),
+    ],
+    ids=["array", "static-int", "none-and-kwarg", "kwarg-only", "dict-arg"],
+)
+def test_apply_call_structures_match_module(mode, call):
+    torch.manual_seed(0)
+    net = _Structures()
+    apply, variables = torchjax.module_to_jax(net)
+    before = jax.tree.map(np.array, variables)
+    x = jnp.linspace(-1, 1, 8).reshape(2, 4)
+    args, kwargs = call(x)
+    leaves, tree = jax.tree.flatten((args, kwargs))
+
+    def run(v, arrays):  # the arrays traced under jit, the int left static
+        given = iter(arrays)
+        filled = [next(given) if isinstance(a, jax.Array) else a for a in leaves]
+        a, kw = jax.tree.unflatten(tree, filled)
+        return apply(v, *a, mutable=True, **kw)
+
+    run = jax.jit(run) if mode == "jit" else run
+    arrays = [a for a in leaves if isinstance(a, jax.Array)]
+    for step in range(2):  # the second call reuses the plan
+        (out, count), new_buffers = run(variables, arrays)
+        ref = copy.deepcopy(net)
+        t_args = [to_t(a) if isinstance(a, jax.Array) else a for a in args]
+        t_args = [{k: to_t(v) for k, v in a.items()} if isinstance(a, dict) else a for a in t_args]
+        t_kwargs = {k: to_t(v) for k, v in kwargs.items()}
+        ref_out, ref_count = ref(*t_args, **t_kwargs)
+        np.testing.assert_allclose(out, ref_out.detach().numpy(), rtol=1e-6, atol=1e-7)
+        assert float(count) == float(ref_count) == 1.0, step  # one write, tied buffer, a copy
+        np.testing.assert_array_equal(new_buffers["count"], 1.0)
+        jax.tree.map(np.testing.assert_array_equal, variables, before)  # caller's arrays
+    assert float(net.count) == 0.0  # the module is untouched

@@ -52,7 +52,8 @@ class CallPlan:
       fn: the torch callable (UserFunction or a DerivedFunction).
       in_tree, template: the argument structure and its leaves, `_ARRAY` where a tensor goes.
       structs, out_tree: the declared or inferred outputs (out_tree None: not yet known).
-      flat_fn: the user's own function, to call directly when the call is ``fn(x, y)``.
+      flat_fn: the user's own function, to call directly when the call is ``fn(x, y)``
+        (or through its ``flat_form``, where it has one).
     """
 
     def __init__(self, fn, in_tree, template, structs, out_tree, flat_fn: Callable | None):
@@ -74,6 +75,11 @@ class CallPlan:
         self.has_statics = len(self.positions) != len(template)
         positional = _tree.tree_structure((tuple(range(in_tree.num_leaves)), {}))
         self.direct = flat_fn if in_tree == positional and not self.has_statics else None
+        # A function may offer its own flat form for other structures (module_to_jax's
+        # forward: the variables straight into the module, no tree rebuilt per call).
+        flat_form = getattr(flat_fn, "flat_form", None)
+        if self.direct is None and flat_form is not None:
+            self.direct = flat_form(in_tree, self.template)
         self.one_tensor_out = (
             out_tree is not None and out_tree.num_nodes == 1 and out_tree.num_leaves == 1
         )

@@ -27,6 +27,7 @@ from torchjax._compat import (
 from torchjax._convert import tree_to_jax
 from torchjax._errors import VariablesError
 from torchjax._module_state import ModuleState
+from torchjax._pytree_types import _ARRAY
 from torchjax._to_jax import to_jax
 
 __all__ = ["VariablesError", "module_to_jax"]  # VariablesError: importable here as before
@@ -87,6 +88,11 @@ class _Apply:
         # ran (or never, with declared result_shape_dtypes): then real calls copy buffers.
         writes: list[bool | None] = [None]
 
+        def copies_buffers() -> bool:
+            # Under jit the mode can change after tracing: copy unless it is the one the
+            # fake run saw not writing.
+            return bool(state.buffers) and not (writes[0] is False and state.training() == training)
+
         def forward(params, buffers, args, kwargs, seed=None):
             fake = _is_fake_call(params, buffers, args, kwargs)
             if fake:
@@ -96,17 +102,16 @@ class _Apply:
                 versions = [tensor_version(t) for t in buffers.values()]
             else:
                 module = self.real_module
-                # Under jit the mode can change after tracing: copy unless it is the one
-                # the fake run saw not writing.
-                if state.buffers and not (writes[0] is False and state.training() == training):
+                if copies_buffers():
                     buffers = {k: v.clone() for k, v in buffers.items()}
+            values = state.slot_values(params, buffers)
             if seed is None:  # torch's global generator, advancing as in plain PyTorch
-                out = state.call(module, args, kwargs, params, buffers, mutable)
+                out = state.call(module, args, kwargs, values, mutable)
             else:  # a generator state derived from the JAX key, leaving the global one alone
                 with torch.random.fork_rng(devices=[]):
                     if not fake:
                         torch.manual_seed(int(seed.item()))
-                    out = state.call(module, args, kwargs, params, buffers, mutable)
+                    out = state.call(module, args, kwargs, values, mutable)
             if fake:
                 moved = [
                     tensor_version(t) != v for t, v in zip(buffers.values(), versions, strict=True)
@@ -114,7 +119,11 @@ class _Apply:
                 writes[0] = bool(writes[0]) or any(moved)
             return out
 
+        def flat_form(in_tree: Any, template: list) -> Callable | None:
+            return _flat_forward(self, in_tree, template, mutable, copies_buffers)
+
         forward.__name__ = forward.__qualname__ = f"{name}.forward"
+        forward.flat_form = flat_form  # see CallPlan: real calls skip rebuilding the tree
         options = dict(self.options)
         if seeded:  # a seed read with .item() cannot be batched: one call per example
             options["vmap_method"] = "sequential"
@@ -137,6 +146,65 @@ class _Apply:
             return out
 
         return declared
+
+
+def _flat_forward(
+    impl: _Apply, in_tree: Any, template: list, mutable: bool, copies_buffers: Callable
+) -> Callable | None:
+    """forward's real call for one call structure, as a function of the call's tensors in
+    flattening order (`template`: _ARRAY where a tensor goes, else the static leaf).
+
+    Each variable's tensor goes straight into its slots, and the module's arguments are
+    rebuilt only where they are more than a tuple of arrays: a tiny module's call spends
+    as long rebuilding the variables tree as torch spends computing. None where a call has
+    no such form (a seed; a variable that is not an array): forward itself runs then.
+    """
+    state = impl.state
+    call_args, call_kwargs = _tree.tree_unflatten(in_tree, range(in_tree.num_leaves))
+    if len(call_args) != 4 or call_kwargs:
+        return None
+    params, buffers, args, kwargs = call_args
+    tensor_at = {}  # leaf index -> index among the call's tensors
+    for i, leaf in enumerate(template):
+        if leaf is _ARRAY:
+            tensor_at[i] = len(tensor_at)
+    try:
+        names = [(params, n) for _, _, n in state.param_slots]
+        names += [(buffers, n) for _, _, n in state.buffer_slots]
+        slot_tensors = [tensor_at[group[n]] for group, n in names]
+    except (KeyError, TypeError):  # a mapping that does not give its leaves by name
+        return None
+    buffer_tensors = slot_tensors[len(state.param_slots) :]
+    n_params = len(state.param_slots)
+    rest = _tree.tree_leaves((args, kwargs))
+    if (
+        all(template[i] is _ARRAY for i in rest)
+        and _tree.tree_structure(args) == (_tree.tree_structure((0,) * len(args)))
+        and not kwargs
+    ):
+        first = tensor_at[rest[0]] if rest else len(tensor_at)
+        rebuild = lambda tensors: (tensors[first:], {})  # noqa: E731 - (x, y, ...), no kwargs
+    else:
+        rest_tree = _tree.tree_structure((args, kwargs))
+        filled = [
+            (tensor_at[i], None) if template[i] is _ARRAY else (None, template[i]) for i in rest
+        ]
+        rebuild = lambda tensors: _tree.tree_unflatten(  # noqa: E731
+            rest_tree, [tensors[k] if k is not None else v for k, v in filled]
+        )
+
+    def call(*tensors: torch.Tensor) -> Any:
+        values = [tensors[k] for k in slot_tensors]
+        if buffer_tensors and copies_buffers():
+            copies: dict[int, torch.Tensor] = {}
+            for j, k in enumerate(buffer_tensors, n_params):
+                if k not in copies:
+                    copies[k] = tensors[k].clone()
+                values[j] = copies[k]
+        a, kw = rebuild(tensors)
+        return state.call(impl.real_module, a, kw, values, mutable)
+
+    return call
 
 
 def _describe(variables: Any) -> str:

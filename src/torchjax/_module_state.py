@@ -62,33 +62,31 @@ class ModuleState:
         """The mode of every submodule (train()/eval() may be set per submodule)."""
         return tuple([m.training for m in self.submodules])
 
-    def call(
-        self,
-        module: Any,
-        args: tuple,
-        kwargs: dict,
-        params: Mapping,
-        buffers: Mapping,
-        read_buffers: bool,
-    ) -> Any:
-        """``module(*args, **kwargs)`` with `params` and `buffers` in place of the state's.
+    def slot_values(self, params: Mapping, buffers: Mapping) -> list:
+        """The tensor for every slot (in `slots` order) from the variables' two groups."""
+        return [params[name] for _, _, name in self.param_slots] + [
+            buffers[name] for _, _, name in self.buffer_slots
+        ]
+
+    def call(self, module: Any, args: tuple, kwargs: dict, values: list, read_buffers: bool) -> Any:
+        """``module(*args, **kwargs)`` with `values` (one per slot, see slot_values) in place
+        of the state's tensors.
 
         `module` is the state's module or a compiled form of it. Returns its result, and
         with `read_buffers` also the buffers as the call left them (updated in place, or
         reassigned by forward).
         """
-        old = [d[key] for d, key, _ in self.slots]
+        slots = self.slots
+        old = [d[key] for d, key, _ in slots]
         try:
-            for d, key, name in self.param_slots:
-                d[key] = params[name]
-            for d, key, name in self.buffer_slots:
-                d[key] = buffers[name]
+            for (d, key, _), t in zip(slots, values, strict=True):
+                d[key] = t
             out = module(*args, **kwargs)
             if read_buffers:
                 out = (out, {name: d[key] for name, d, key in self.buffer_reads})
             return out
         finally:
-            for (d, key, _), t in zip(self.slots, old, strict=True):
+            for (d, key, _), t in zip(slots, old, strict=True):
                 d[key] = t
 
     def check(self, module_name: str, params: Any, buffers: Any) -> None:
