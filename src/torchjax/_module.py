@@ -174,14 +174,11 @@ def _flat_forward(
         slot_tensors = [tensor_at[group[n]] for group, n in names]
     except (KeyError, TypeError):  # a mapping that does not give its leaves by name
         return None
-    buffer_tensors = slot_tensors[len(state.param_slots) :]
     n_params = len(state.param_slots)
+    buffer_tensors = slot_tensors[n_params:]
     rest = _tree.tree_leaves((args, kwargs))
-    if (
-        all(template[i] is _ARRAY for i in rest)
-        and _tree.tree_structure(args) == (_tree.tree_structure((0,) * len(args)))
-        and not kwargs
-    ):
+    flat_args = _tree.tree_structure(args) == _tree.tree_structure((0,) * len(args))
+    if flat_args and not kwargs and all(template[i] is _ARRAY for i in rest):
         first = tensor_at[rest[0]] if rest else len(tensor_at)
         rebuild = lambda tensors: (tensors[first:], {})  # noqa: E731 - (x, y, ...), no kwargs
     else:
