@@ -8,10 +8,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-matrix lint bench conformance clean
 
-$(STAMP): requirements-dev.txt pyproject.toml
+$(STAMP): requirements-dev.txt requirements-thirdparty.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	$(BIN)/python -m pip install -q --no-deps -r requirements-thirdparty.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

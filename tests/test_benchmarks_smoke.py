@@ -24,9 +24,10 @@ def test_compare_quick_runs_and_renders(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     # Each section's table header, the sweep's one, and the note for the skipped bridges.
-    # Ten tables with ratios: to_jax 2, vmap 1, grad 1, hessian 1, train 1, module 2, to_torch 2.
+    # Eleven tables with ratios: to_jax 2, vmap 1, grad 1, hessian 1, train 1, module 2,
+    # concurrent 1, to_torch 2.
     assert "| call | elements (float32) | median µs |" in out
-    assert out.count("| case | median µs | baseline | baseline µs | ratio |") == 10
+    assert out.count("| case | median µs | baseline | baseline µs | ratio |") == 11
     assert "| elements | native torch | to_jax eager | jax.jit(to_jax) |" in out
     assert "| 256 |" in out and "| 4,096 |" not in out
     assert "wrap_torch2jax: not measured; optional libraries not requested" in out

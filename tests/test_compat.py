@@ -82,7 +82,10 @@ PRIVATE_NAMES = [
     "torch.utils._pytree.GetAttrKey",
     "torch._dynamo.eval_frame.OptimizedModule",
     "torch._dynamo.eval_frame.OptimizedModule()._orig_mod",
+    "torch._dynamo.eval_frame.OptimizedModule().dynamo_ctx",
     "torch.compile(function)._torchdynamo_orig_callable",
+    "torch.nn.utils.parametrize._cache",
+    "torch.nn.utils.parametrize._cache_enabled",
     "torch.nn.Module()._parameters",
     "torch.nn.Module()._buffers",
     "torch.nn.Module()._modules",
@@ -103,6 +106,10 @@ def _exists(path: str) -> bool:
     if path == "torch._dynamo.eval_frame.OptimizedModule()._orig_mod":
         linear = torch.nn.Linear(1, 1)
         return torch.compile(linear)._orig_mod is linear
+    if path == "torch._dynamo.eval_frame.OptimizedModule().dynamo_ctx":
+        compiled = torch.compile(torch.nn.Linear(1, 1))
+        other = torch.nn.Linear(1, 1)
+        return type(compiled)(other, compiled.dynamo_ctx)._orig_mod is other
     if path == "torch.compile(function)._torchdynamo_orig_callable":
 
         def f(x):

@@ -12,7 +12,8 @@ def test_multidevice_script():
         [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    for check in ("shard_map: local shards", "sharded input under jit", "data-parallel training"):
+    checks = ("shard_map: local shards", "sharded input under jit", "data-parallel training")
+    for check in (*checks, "module_to_jax in shard_map, two variable sets"):
         assert check in result.stdout, result.stdout
 
 

@@ -123,8 +123,11 @@ def test_no_write_reaches_the_callers_array(route, mode):
     with pytest.raises(Exception, match=expected):
         _call(_writer(route), mode, x)
     np.testing.assert_array_equal(x, before)
-    if mode in ("eager", "jit") and route is not _numpy:
+    if mode == "jit" and route is not _numpy:
         assert real_calls[route.__name__] == 0  # caught by the fake run, before real data
+    if mode == "eager":
+        # No fake run when there is data: the real run's write is refused by the storage.
+        assert real_calls[route.__name__] >= 1
 
 
 @pytest.mark.parametrize("mode", ["eager", "declared"])
@@ -484,8 +487,12 @@ def test_namedtuple_class_made_on_every_call():
         Pair = collections.namedtuple("Pair", "a b")
         return Pair(t, t * 2)
 
-    with pytest.raises(OutputMismatchError, match="class differs between calls.*module level"):
-        torchjax.to_jax(f)(jnp.ones(2))
+    # Under jit the fake run's class, then the real run's (XLA wraps the callback's error).
+    with pytest.raises(Exception, match="OutputMismatchError.*class differs between calls"):
+        jax.jit(torchjax.to_jax(f))(jnp.ones(2))
+    # Eagerly each call's own output is returned: there is nothing to compare it with.
+    out = torchjax.to_jax(f)(jnp.ones(2))
+    np.testing.assert_array_equal(out.b, [2.0, 2.0])
 
 
 @pytest.mark.parametrize("jit", [False, True])

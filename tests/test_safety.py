@@ -31,7 +31,7 @@ def _real(x):
 
 
 def add_inplace(d):
-    real_calls["add_"] += _real(d["a"])
+    real_calls["add_inplace"] += _real(d["a"])
     d["a"].add_(1)
     return d["a"] * 2
 
@@ -56,7 +56,8 @@ def view_mutation(d):
 
 @pytest.mark.parametrize("fn", [add_inplace, setitem, out_kwarg, view_mutation])
 @pytest.mark.parametrize("mode", ["eager", "jit"])
-def test_inplace_rejected_before_real_data(fn, mode):
+def test_inplace_rejected_and_the_callers_array_unchanged(fn, mode):
+    real_calls.clear()
     f = torchjax.to_jax(fn)
     if mode == "jit":
         f = jax.jit(f)
@@ -66,7 +67,11 @@ def test_inplace_rejected_before_real_data(fn, mode):
         InPlaceMutationError, match=r"(?s)modifies its input args\[0\]\['a'\].*clone"
     ):
         f({"a": a})
-    assert real_calls[fn.__name__] == 0  # never ran on the caller's buffer
+    if mode == "jit":
+        assert real_calls[fn.__name__] == 0  # the fake run refused it before any real data
+    else:
+        # Eager calls have data and run for real at once; the storage refuses the write.
+        assert real_calls[fn.__name__] >= 1
     np.testing.assert_array_equal(a, before)
 
 

@@ -50,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # The core tests: every transform and their compositions, conversion, the primitive, the
-# private-API registry, the in-place guard and shard_map. They need no optional extras
+# private-API registry, the in-place guard, shard_map and state isolation. They need no optional extras
 # (transformers, flax, numpyro, diffrax), only TEST_TOOLS.
 CORE_TESTS = (
     "tests/test_compat.py",
@@ -66,6 +66,7 @@ CORE_TESTS = (
     "tests/test_to_torch.py",
     "tests/test_no_corruption.py",
     "tests/test_multidevice.py",
+    "tests/test_state_isolation.py",
 )
 
 # Test dependencies, at the versions requirements-dev.txt pins (optax: test_multidevice).

@@ -38,7 +38,18 @@ from torchjax._derivative import (
 )
 from torchjax._errors import AutodiffError
 from torchjax._pytree_types import Linear, _is_operand
-from torchjax._residual import GRAPHS, KeptGraph, recording, replaying, rng_state, rng_state_size
+from torchjax._residual import (
+    GRAPHS,
+    KeptGraph,
+    enter_derived_call,
+    exit_derived_call,
+    held_count,
+    recording,
+    replaying,
+    rng_state,
+    rng_state_size,
+    take_held,
+)
 from torchjax._shapes import default_torch_device
 from torchjax._torch_call import Options, torch_call_p
 
@@ -71,15 +82,19 @@ class JvpFunction(_Derivative):
         return dataclasses.replace(self, with_primals=False)
 
     def __call__(self, primals: tuple, *rest: tuple) -> tuple:
-        if not self.taped:
-            return self._jvp(primals, rest[0])
-        (_, state), tangents = rest
-        with replaying(_plain(state, 1), _device_of(primals)):
-            return self._jvp(primals, tangents)
+        enter_derived_call()  # a module copy the forward runs in stays as it is until the end
+        try:
+            if not self.taped:
+                return self._jvp(primals, rest[0])
+            (_, state), tangents = rest
+            with replaying(_plain(state, 1), _device_of(primals)):
+                return self._jvp(primals, tangents)
+        finally:
+            exit_derived_call()
 
     def _jvp(self, primals: tuple, tangents: tuple) -> tuple:
         g, x = self._restricted(primals)
-        if self.grad_method == "torch.func":
+        if self.method == "torch.func":
             outs, t_outs, rest = torch.func.jvp(g, tuple(x), tuple(tangents), has_aux=True)
         else:
             outs, t_outs, rest = self._jvp_by_double_vjp(g, x, tangents)
@@ -154,11 +169,19 @@ class VjpFunction(_Derivative):
     pair: bool = False
 
     def __call__(self, primals: tuple, *rest: tuple) -> tuple:
+        # A module copy the forward runs in stays as it is until the pullback is done.
+        enter_derived_call()
+        try:
+            return self._call(primals, *rest)
+        finally:
+            exit_derived_call()
+
+    def _call(self, primals: tuple, *rest: tuple) -> tuple:
         if self.pair:
             *head, cts, more = rest
             stacked = tuple(torch.stack([c, m]) for c, m in zip(cts, more, strict=True))
             both = dataclasses.replace(self, pair=False, ct_batch=(*self.ct_batch, (0,) * len(cts)))
-            out = both(primals, *head, stacked)
+            out = both._call(primals, *head, stacked)
             return (*[o[0] for o in out], *[o[1] for o in out])
         cotangents = rest[-1]
         # torch pulls back with the conjugate of JAX's cotangent convention for complex
@@ -187,7 +210,7 @@ class VjpFunction(_Derivative):
 
     def _pullback(self, primals: tuple, cotangents: tuple) -> tuple:
         g, x = self._restricted(primals)
-        if self.grad_method == "autograd":
+        if self.method == "autograd":
             return _autograd_pullback(g, x, cotangents, create_graph=True)
         if _outermost((primals, cotangents)):
             # Nothing outside this call to differentiate it further: torch.func.vjp would
@@ -202,7 +225,7 @@ class VjpFunction(_Derivative):
         g, x = self._restricted(primals)
         if flat[0].shape[0] == 0:  # an empty batch: nothing to pull back
             return tuple(xi.new_zeros(*lead, *xi.shape) for xi in x)
-        if self.grad_method == "autograd":
+        if self.method == "autograd":
             grads = _autograd_pullbacks(g, x, flat)
         else:
             _, pullback, _ = torch.func.vjp(g, *x, has_aux=True)
@@ -239,6 +262,13 @@ class TapedFunction(_Derivative):
         return self.inner.arg_path(path)  # its args are inner's own
 
     def __call__(self, *primals: Any) -> tuple:
+        enter_derived_call()
+        try:
+            return self._call(primals)
+        finally:
+            exit_derived_call()
+
+    def _call(self, primals: tuple) -> tuple:
         tensors = [x for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)]
         device = tensors[0].device if tensors else default_torch_device()
         state = rng_state(device).to(device)
@@ -263,11 +293,15 @@ class TapedFunction(_Derivative):
 
     def _keep_graph(self, g: Any, x: list, tensors: list) -> tuple:
         graph = KeptGraph()
+        mark = held_count()
         with torch.enable_grad(), recording(graph, tensors):
             graph.leaves = _on_tape(x)
             masked, rest = g(*graph.leaves)
         if not any(o.requires_grad for o in masked):
             return masked, rest, 0
+        # What the forward left held (a module copy with this call's tensors) is the
+        # graph's now: its backward may read it again (checkpointing, adjoint solvers).
+        graph.keep_held(take_held(mark), tensors)
         graph.let_go_of_inputs(tensors, [*masked, *rest])
         found = iter(masked)
         graph.outputs = [next(found) if m else None for m in self.out_mask]
@@ -292,6 +326,7 @@ def _through(graph: KeptGraph, primals: tuple, out_mask: tuple, cotangents: tupl
     outs = [o for o, m in zip(graph.outputs, out_mask, strict=True) if m]
     pairs = [(o, c) for o, c in zip(outs, cotangents, strict=True) if o is not None]
     pairs = [(o, c) for o, c in pairs if o.requires_grad]  # others do not depend on leaves
+    graph.reinstall_held()
     try:
         if not pairs:
             return tuple(torch.zeros_like(x) for x in graph.leaves)
@@ -303,6 +338,7 @@ def _through(graph: KeptGraph, primals: tuple, out_mask: tuple, cotangents: tupl
             materialize_grads=True,
         )
     finally:
+        graph.release_held()
         graph.inputs = graph.outputs = graph.leaves = []
 
 

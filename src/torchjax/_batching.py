@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from torchjax._call_plan import autograd_inside, runs_autograd_itself
 from torchjax._compat import FAST_VMAP
 from torchjax._compat import vmap_add_batch_dim as _add_batch_dim
 from torchjax._compat import vmap_decrement_nesting as _vmap_decrement_nesting
@@ -104,11 +105,13 @@ class BatchedFunction(DerivedFunction):
     def __call__(self, *args: Any) -> Any:
         leaves, tree = _tree.tree_flatten(args)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        if self.loop:
+        if self.loop or autograd_inside():  # autograd cannot run under torch.func.vmap
             return self._loop(leaves, tree, positions)
         try:
             return self._vmap(leaves, tree, positions)
         except Exception as e:
+            if runs_autograd_itself(e):
+                raise  # the call runs again with a loop (CallPlan.invoke)
             text = f"{type(e).__name__}: {e}"
             if "batching rule not implemented" in text.lower():
                 # Composite ops (column_stack) decompose into batchable ones only beneath

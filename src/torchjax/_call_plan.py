@@ -8,13 +8,14 @@
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import torch
 
-from torchjax._compat import is_zerotensor, set_grad_enabled, tensor_version
+from torchjax._compat import is_fake, is_zerotensor, set_grad_enabled, tensor_version
 from torchjax._convert import canonical_torch_dtype, check_has_data, tensor_to_jax, torch_dtype
 from torchjax._errors import ConversionError, OutputMismatchError, TorchJaxError
 from torchjax._guard import (
@@ -36,6 +37,30 @@ _WROTE = (
     "argument; torch refused it, and the caller's array is unchanged"
 )
 _ON_COPY = "an in-place op, seen on the copy this function runs on"
+
+
+# torch.func's refusal of a function that runs torch.autograd itself (x.requires_grad_() to
+# take forces from an energy, a gradient penalty, torch.autograd.functional).
+_AUTOGRAD_INSIDE = "inside of a function being transformed by a functorch transform"
+
+
+class _AutogradInside(threading.local):
+    depth = 0
+
+
+# While above 0, derived calls on this thread differentiate with torch.autograd and batch
+# by a loop: the function runs autograd itself, which torch.func transforms cannot follow.
+_autograd = _AutogradInside()
+
+
+def autograd_inside() -> bool:
+    """Whether derived calls must use torch.autograd (see CallPlan.invoke)."""
+    return _autograd.depth > 0
+
+
+def runs_autograd_itself(error: BaseException) -> bool:
+    """Whether torch.func refused a function because it runs torch.autograd itself."""
+    return _AUTOGRAD_INSIDE in str(error)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -86,6 +111,9 @@ class CallPlan:
         # Set once fn asked a protected input for a writable pointer without writing (a
         # reader such as .numpy() or a compiled kernel): then it runs on copies.
         self.on_copies = False
+        # Set once a derived call failed because the function runs torch.autograd itself,
+        # which torch.func cannot transform: then it is differentiated by torch.autograd.
+        self.autograd_inside = False
 
     def invoke(self, tensors: list[torch.Tensor]) -> Any:
         """fn on `tensors`, as it returns; raises as __call__ does, before any output check.
@@ -93,8 +121,23 @@ class CallPlan:
         `tensors` are fresh (version 0), made for this call. Their storages refuse writes
         during it (see _guard.py): a refusal runs fn again on copies, and a copy that
         changed is an InPlaceMutationError; a version counter that moved all the same is an
-        in-place view op (t_), rejected too.
+        in-place view op (t_), rejected too. A derived call that torch.func refuses because
+        the function runs torch.autograd itself runs again, and from then on, with
+        torch.autograd's derivatives and a loop over the batch (autograd_inside).
         """
+        if self.autograd_inside:
+            _autograd.depth += 1
+            try:
+                return self._invoke(tensors)
+            finally:
+                _autograd.depth -= 1
+        try:
+            return self._invoke(tensors)
+        except _RetryWithAutograd:
+            self.autograd_inside = True
+            return self.invoke(tensors)
+
+    def _invoke(self, tensors: list[torch.Tensor]) -> Any:
         if self.on_copies:
             return self._invoke_on_copies(tensors, compare=False)
         for t in tensors:
@@ -132,10 +175,16 @@ class CallPlan:
             set_grad_enabled(grad_was_enabled)
 
     def _raise_failure(self, error: Exception) -> None:
+        if not autograd_inside() and self._autograd_inside(error):
+            raise _RetryWithAutograd from None
         err = self.fn.call_failure(error)
         if err is error:
             raise error
         raise err from error
+
+    def _autograd_inside(self, error: Exception) -> bool:
+        """Whether a derived call failed because fn runs torch.autograd itself."""
+        return self.fn is not self.fn.root and runs_autograd_itself(error)
 
     def _invoke_on_copies(self, tensors: list[torch.Tensor], compare: bool) -> Any:
         """fn on copies of `tensors`; with `compare`, each copy must still equal its input."""
@@ -158,30 +207,52 @@ class CallPlan:
         """Run fn on `tensors`; return its flat outputs as tensors of the declared shapes.
 
         Re-raises fn's own exception (a transform's failure as VmapError or AutodiffError),
-        raises InPlaceMutationError if fn tried to write into an input (the fake run
-        catches that first where there is one), and OutputMismatchError if an output
-        differs from the declared or inferred one. Outputs may still be 64-bit where JAX's
-        x64 mode is off: the conversion that follows narrows them.
+        raises InPlaceMutationError if fn tried to write into an input, and
+        OutputMismatchError if an output differs from the declared or inferred one.
+        Outputs may still be 64-bit where JAX's x64 mode is off: the conversion that
+        follows narrows them.
         """
+        return self.run(tensors)
+
+    def run(self, tensors: list[torch.Tensor], strict: bool = True) -> Any:
+        """__call__; with ``strict=False`` outputs that differ from this plan's types are no
+        error (an eager call whose types were a guess from an earlier call): then
+        ``(None, [out])``, fn's raw output in a list the caller may empty."""
         out = self.invoke(tensors)
-        if self.one_tensor_out and isinstance(out, torch.Tensor) and not self.grad_mode:
+        if self.one_tensor_out and type(out) is torch.Tensor and not self.grad_mode:
             if out.dtype is self.out_dtypes[0] and out.shape == self.out_shapes[0]:
                 return [out]  # the common case, checked
             results = [out]
         else:
             results, got_tree = _tree.tree_flatten(out)
             if got_tree != self.out_tree:
+                if not strict:
+                    return None, [out]
                 self._raise_structure(got_tree)
         del out  # the outputs' only references are now in `results` (see is_private)
         if self.grad_mode:
             results = [plain(v) for v in results]
         for k in range(len(results)):
             value = results[k]
-            if not isinstance(value, torch.Tensor) or value.dtype is not self.out_dtypes[k]:
+            if type(value) is not torch.Tensor or value.dtype is not self.out_dtypes[k]:
+                if not strict and not self._coerces(k, value):
+                    return None, [_tree.tree_unflatten(self.out_tree, results)]
                 results[k] = self._coerce(k, value)
             elif value.shape != self.out_shapes[k]:
+                if not strict:
+                    return None, [_tree.tree_unflatten(self.out_tree, results)]
                 self._raise_mismatch(k, value)
         return results
+
+    def _coerces(self, k: int, value: Any) -> bool:
+        """Whether _coerce(k, value) succeeds: a number, or a tensor of the declared shape
+        whose dtype becomes the declared one under JAX's x64 policy."""
+        if isinstance(value, bool | int | float | complex):
+            return True
+        if not isinstance(value, torch.Tensor) or is_fake(value):
+            return False
+        want = self.out_dtypes[k]
+        return value.shape == self.out_shapes[k] and canonical_torch_dtype(value.dtype) == want
 
     def _fill(self, tensors: list[torch.Tensor]) -> list:
         """The argument leaves: the static leaves with the tensors in their slots."""
@@ -194,6 +265,8 @@ class CallPlan:
 
     def _coerce(self, k: int, value: Any) -> torch.Tensor:
         want = self.out_dtypes[k]
+        if isinstance(value, torch.Tensor) and is_fake(value):
+            raise fake_output_error(self.name, self.out_paths[k])
         if not isinstance(value, torch.Tensor):
             if isinstance(value, bool | int | float | complex):
                 return number_tensor(value, want, self.out_paths[k])
@@ -235,6 +308,25 @@ class CallPlan:
     def _raise_mutated(self, tensors: list) -> None:
         names = [self.input_path(k) for k in range(len(tensors))]
         check_versions(tensors, [0] * len(tensors), names, self.name, "seen after the real call")
+
+
+FAKE_OUTPUT = """\
+{name} returned a FakeTensor at {where}: a tensor without data, made when torchjax found the
+function's output types by running it on fake tensors (under jax.jit or another transform),
+and kept by state the function reads (a cache, a global, an object's attribute) into this
+real call. torchjax puts back what it can reach from the function (the modules it closes
+over, functools.lru_cache caches); this one it could not. Declare the output types, so
+that no fake run happens, and rebuild the object that holds the fake tensor:
+
+    to_jax(fn, result_shape_dtypes=jax.ShapeDtypeStruct(shape, dtype))"""
+
+
+def fake_output_error(name: str, where: str) -> ConversionError:
+    return ConversionError(FAKE_OUTPUT.format(name=name, where=where))
+
+
+class _RetryWithAutograd(Exception):
+    """A derived call to run again with torch.autograd (see CallPlan.invoke)."""
 
 
 def number_tensor(value: bool | int | float | complex, dtype: torch.dtype, where: str):

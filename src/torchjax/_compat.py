@@ -526,6 +526,18 @@ def compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
+_register(
+    "torch._dynamo.eval_frame.OptimizedModule().dynamo_ctx",
+    "module_to_jax of a compiled module: calls run the module uncompiled",
+)
+
+
+def compiled_context(compiled: torch.nn.Module) -> Any:
+    """The compile context of a torch.compile'd module: with the module's class, it compiles
+    another module the same way (`type(compiled)(other, context)`)."""
+    return getattr(compiled, "dynamo_ctx", None)
+
+
 def compiled_function_original(fn: Any) -> Any:
     """What torch.compile compiled: the original function or module, or None."""
     orig = getattr(fn, "_torchdynamo_orig_callable", None)
@@ -533,6 +545,20 @@ def compiled_function_original(fn: Any) -> Any:
         return orig
     mod = getattr(fn, "_orig_mod", None)
     return mod if isinstance(mod, torch.nn.Module) else None
+
+
+# torch.nn.utils.parametrize.cached()'s cache: keyed by the id of the module a
+# parametrization was registered on, which every copy of that module shares (the key lives
+# in a closure of the class's property). Read each time: cached() replaces the dict.
+import torch.nn.utils.parametrize as _parametrize  # noqa: E402
+
+_private("torch.nn.utils.parametrize._cache")
+_private("torch.nn.utils.parametrize._cache_enabled")
+
+
+def parametrize_cache() -> dict | None:
+    """parametrize.cached()'s cache while one is open, else None."""
+    return _parametrize._cache if _parametrize._cache_enabled else None
 
 
 # nn.Module's own dicts of parameters, buffers and submodules: assigning entries there is

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from torchjax._batching import as_tensor
+from torchjax._call_plan import autograd_inside
 from torchjax._compat import peek_interpreter_stack
 from torchjax._convert import torch_dtype
 from torchjax._errors import AutodiffError
@@ -67,6 +68,11 @@ class _Derivative(DerivedFunction):
     out_mask: tuple
     grad_method: str
 
+    @property
+    def method(self) -> str:
+        """The grad_method in force: torch.autograd's where the function runs it itself."""
+        return "autograd" if autograd_inside() else self.grad_method
+
     def arg_path(self, path: tuple) -> str:
         # Their args are (primals, tangents or cotangents); the primals are inner's args.
         if path and getattr(path[0], "idx", None) == 0 and len(path) > 1:
@@ -110,7 +116,7 @@ class _Derivative(DerivedFunction):
         text = f"{type(error).__name__}: {error}"
         if not any(m in text.lower() for m in _AUTODIFF_FAILURES):
             return self.inner.call_failure(error)  # the function's own exception
-        if self.grad_method == "autograd":
+        if self.method == "autograd":
             hint = AUTOGRAD_HINT
         elif isinstance(error, NotImplementedError) and "forward" in text.lower():
             hint = FORWARD_AD_HINT

@@ -70,3 +70,9 @@ class JaxOutputError(TorchJaxError, TypeError):
 class VariablesError(TorchJaxError, ValueError):
     """``variables`` passed to a ``module_to_jax`` function does not match the module's
     parameters and buffers (missing, unexpected or misshaped entries)."""
+
+
+class StateWarning(UserWarning):
+    """A torch module changed state that torchjax does not keep: a buffer written or
+    reassigned by a ``module_to_jax`` call with ``mutable=False`` (the new value is dropped;
+    ``mutable=True`` returns it)."""

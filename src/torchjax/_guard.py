@@ -114,11 +114,12 @@ class WriteGuard(TorchDispatchMode):
     is refused with a message that says it changes no data.
     """
 
-    def __init__(self, inputs: list, paths: list, name: str):
+    def __init__(self, inputs: list, paths: list, name: str, made: Any = None):
         super().__init__()
         pairs = zip(inputs, paths, strict=True)
         self.storages = {StorageWeakRef(t.untyped_storage()): p for t, p in pairs}
         self.name = name
+        self.made = made  # called with every tensor an op returns (fake_eval tracks them)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -131,7 +132,12 @@ class WriteGuard(TorchDispatchMode):
                         metadata = torch.Tag.inplace_view in func.tags
                         how = f"{func}, seen while inferring output shapes"
                         raise inplace_error(self.name, path, how, metadata)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.made is not None:
+            for t in out if isinstance(out, list | tuple) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.made(t)
+        return out
 
 
 # -- real runs ------------------------------------------------------------------------------

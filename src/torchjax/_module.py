@@ -1,15 +1,18 @@
 # module_to_jax: a torch.nn.Module as a pure JAX function of a variables pytree.
 #
 # The module object only supplies the code (its forward) and the structure; its parameters
-# and buffers travel as JAX arrays in `variables` and are swapped into the module for each
-# call (_module_state.py), then swapped back. One to_jax function per variant of a call
-# (mutable or not, the modules' train/eval modes, with or without an rng key) keeps every
-# per-call decision out of the call itself. The fake-tensor run that to_jax makes once per
-# signature also checks `variables` against the module and finds out whether forward
-# writes its buffers in place (BatchNorm's running statistics in training mode): only then
-# do real calls hand it copies, so the caller's arrays are never written.
+# and buffers travel as JAX arrays in `variables`. Every call runs in a private copy of the
+# module holding that call's tensors (_module_state.py), so calls on several threads or
+# devices, and backwards that read the module again, each see their own, and the user's
+# module never changes. One to_jax function per variant of a call (mutable or not, the
+# modules' train/eval modes, with or without an rng key) keeps every per-call decision out
+# of the call itself. Whether forward writes its buffers in place (BatchNorm's running
+# statistics in training mode) is learnt from the first run of each mode, fake or real:
+# until then, and whenever it does, calls hand it copies, so the caller's arrays are never
+# written.
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,6 +29,7 @@ from torchjax._compat import (
 )
 from torchjax._convert import tree_to_jax
 from torchjax._errors import VariablesError
+from torchjax._guard import same_bytes
 from torchjax._module_state import ModuleState
 from torchjax._pytree_types import _ARRAY
 from torchjax._to_jax import to_jax
@@ -62,18 +66,36 @@ def _is_fake_call(params: Any, buffers: Any, args: tuple, kwargs: dict) -> bool:
     return detect_fake_mode() is not None
 
 
+# A seed sets torch's global generator, which every thread shares: seeded calls take turns.
+_seeded = threading.RLock()
+
+
 class _Apply:
     """What every variant of a call shares: the module, its state and the options."""
 
     def __init__(self, module: torch.nn.Module, options: dict, result_shape_dtypes: Any):
         original = compiled_original(module)
-        # A compiled module runs real calls; its original runs the fake one, which compiled
-        # code cannot do, and names the variables (without the `_orig_mod.` prefix).
-        self.state = ModuleState(original if original is not None else module)
-        self.real_module = module
+        # A compiled module's copies run compiled; fake runs use the original, which also
+        # names the variables (without the `_orig_mod.` prefix).
+        compiled = module if original is not None else None
+        self.state = ModuleState(original if original is not None else module, compiled)
         self.name = type(self.state.module).__name__
         self.options, self.result_shape_dtypes = options, result_shape_dtypes
         self.variants: dict[tuple, Callable] = {}
+        # Whether forward writes a buffer in place, per mode of the submodules, as the
+        # first run (fake or real) in that mode saw it; unknown modes hand it copies.
+        self.writes: dict[tuple, bool] = {}
+
+    def copies_buffers(self, training: tuple) -> bool:
+        return bool(self.state.buffers) and self.writes.get(training) is not False
+
+    def note_writes(self, training: tuple, names: list, written: list, mutable: bool) -> None:
+        """Record what a run wrote; without mutable=True the writes are dropped: say so."""
+        self.writes[training] = self.writes.get(training, False) or any(written)
+        if not mutable:
+            for name, w in zip(names, written, strict=True):
+                if w:
+                    self.state.warn_dropped(name, "wrote into it in place")
 
     def variant(self, mutable: bool, training: tuple, seeded: bool) -> Callable:
         key = (mutable, training, seeded)
@@ -84,46 +106,33 @@ class _Apply:
 
     def _make(self, mutable: bool, training: tuple, seeded: bool) -> Callable:
         state, name = self.state, self.name
-        # Whether forward writes a buffer in place, as the fake runs saw it; None until one
-        # ran (or never, with declared result_shape_dtypes): then real calls copy buffers.
-        writes: list[bool | None] = [None]
-
-        def copies_buffers() -> bool:
-            # Under jit the mode can change after tracing: copy unless it is the one the
-            # fake run saw not writing.
-            return bool(state.buffers) and not (writes[0] is False and state.training() == training)
 
         def forward(params, buffers, args, kwargs, seed=None):
-            fake = _is_fake_call(params, buffers, args, kwargs)
-            if fake:
-                state.check(name, params, buffers)
-                module = state.module
-                buffers = {k: v.clone() for k, v in buffers.items()}  # free on fakes
-                versions = [tensor_version(t) for t in buffers.values()]
-            else:
-                module = self.real_module
-                if copies_buffers():
-                    buffers = {k: v.clone() for k, v in buffers.items()}
-            values = state.slot_values(params, buffers)
+            if _is_fake_call(params, buffers, args, kwargs):
+                return self._fake_forward(params, buffers, args, kwargs, mutable)
+            values = originals = state.slot_values(params, buffers)
+            mode = state.training()
+            copied = self.copies_buffers(mode)
+            if copied:
+                values = _copy_buffers(values, state.n_params)
             if seed is None:  # torch's global generator, advancing as in plain PyTorch
-                out = state.call(module, args, kwargs, values, mutable)
+                out = state.call(args, kwargs, values, mutable)
             else:  # a generator state derived from the JAX key, leaving the global one alone
-                with torch.random.fork_rng(devices=[]):
-                    if not fake:
-                        torch.manual_seed(int(seed.item()))
-                    out = state.call(module, args, kwargs, values, mutable)
-            if fake:
-                moved = [
-                    tensor_version(t) != v for t, v in zip(buffers.values(), versions, strict=True)
-                ]
-                writes[0] = bool(writes[0]) or any(moved)
+                with _seeded, torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(int(seed.item()))
+                    out = state.call(args, kwargs, values, mutable)
+            if copied:
+                self._learn_writes(mode, originals, values, mutable)
             return out
 
         def flat_form(in_tree: Any, template: list) -> Callable | None:
-            return _flat_forward(self, in_tree, template, mutable, copies_buffers)
+            return _flat_forward(self, in_tree, template, mutable)
 
         forward.__name__ = forward.__qualname__ = f"{name}.forward"
         forward.flat_form = flat_form  # see CallPlan: real calls skip rebuilding the tree
+        forward.isolates_state = True  # fake runs use a throwaway copy (see fake_eval)
+        # Eager calls run for real at once: variables are checked on each signature's first.
+        forward.check_signature = lambda p, b, *_, **__: state.check(name, p, b)
         options = dict(self.options)
         if seeded:  # a seed read with .item() cannot be batched: one call per example
             options["vmap_method"] = "sequential"
@@ -131,6 +140,30 @@ class _Apply:
         if self.result_shape_dtypes is not None:
             declared = self._declared(mutable)
         return to_jax(forward, result_shape_dtypes=declared, **options)
+
+    def _fake_forward(self, params, buffers, args, kwargs, mutable: bool) -> Any:
+        """forward on fake tensors (to_jax's shape inference), in a throwaway copy."""
+        state = self.state
+        state.check(self.name, params, buffers)
+        values = _copy_buffers(state.slot_values(params, buffers), state.n_params)  # free
+        out = state.fake_call(args, kwargs, values, mutable)
+        self._learn_writes(state.training(), None, values, mutable)
+        return out
+
+    def _learn_writes(self, mode: tuple, originals: list | None, copies: list, mutable: bool):
+        """After a run on copies of the buffers: which of them forward wrote in place, by
+        version counter or, where there is data (`originals`), by value: batch norm's CPU
+        kernel writes its running statistics without moving their counters."""
+        state = self.state
+        names = [name for name, _ in state.buffer_reads]
+        if self.writes.get(mode) is not None and (mutable or state.warned.issuperset(names)):
+            return  # nothing left to learn or to say
+        written = [
+            tensor_version(copies[j]) != 0
+            or (originals is not None and not same_bytes(originals[j], copies[j]))
+            for _, j in state.buffer_reads
+        ]
+        self.note_writes(mode, names, written, mutable)
 
     def _declared(self, mutable: bool) -> Callable:
         """result_shape_dtypes for forward's signature, from the user's for the module's."""
@@ -148,9 +181,20 @@ class _Apply:
         return declared
 
 
-def _flat_forward(
-    impl: _Apply, in_tree: Any, template: list, mutable: bool, copies_buffers: Callable
-) -> Callable | None:
+def _copy_buffers(values: list, n_params: int) -> list:
+    """`values` with each buffer (after the first n_params slots) replaced by a fresh copy,
+    one per distinct tensor (a buffer tied between submodules stays one), of version 0."""
+    copies: dict[int, torch.Tensor] = {}
+    values = list(values)
+    for j in range(n_params, len(values)):
+        t = values[j]
+        if id(t) not in copies:
+            copies[id(t)] = t.clone()
+        values[j] = copies[id(t)]
+    return values
+
+
+def _flat_forward(impl: _Apply, in_tree: Any, template: list, mutable: bool) -> Callable | None:
     """forward's real call for one call structure, as a function of the call's tensors in
     flattening order (`template`: _ARRAY where a tensor goes, else the static leaf).
 
@@ -169,13 +213,13 @@ def _flat_forward(
         if leaf is _ARRAY:
             tensor_at[i] = len(tensor_at)
     try:
-        names = [(params, n) for _, _, n in state.param_slots]
-        names += [(buffers, n) for _, _, n in state.buffer_slots]
+        n_params = state.n_params
+        names = [(params, n) for n in state.slot_names[:n_params]]
+        names += [(buffers, n) for n in state.slot_names[n_params:]]
         slot_tensors = [tensor_at[group[n]] for group, n in names]
     except (KeyError, TypeError):  # a mapping that does not give its leaves by name
         return None
-    n_params = len(state.param_slots)
-    buffer_tensors = slot_tensors[n_params:]
+    has_buffers = len(slot_tensors) > n_params
     rest = _tree.tree_leaves((args, kwargs))
     flat_args = _tree.tree_structure(args) == _tree.tree_structure((0,) * len(args))
     if flat_args and not kwargs and all(template[i] is _ARRAY for i in rest):
@@ -192,14 +236,15 @@ def _flat_forward(
 
     def call(*tensors: torch.Tensor) -> Any:
         values = [tensors[k] for k in slot_tensors]
-        if buffer_tensors and copies_buffers():
-            copies: dict[int, torch.Tensor] = {}
-            for j, k in enumerate(buffer_tensors, n_params):
-                if k not in copies:
-                    copies[k] = tensors[k].clone()
-                values[j] = copies[k]
+        mode = state.training() if has_buffers else None
+        copied = has_buffers and impl.copies_buffers(mode)
+        if copied:
+            values = _copy_buffers(values, n_params)
         a, kw = rebuild(tensors)
-        return state.call(impl.real_module, a, kw, values, mutable)
+        out = state.call(a, kw, values, mutable)
+        if copied:
+            impl._learn_writes(mode, [tensors[k] for k in slot_tensors], values, mutable)
+        return out
 
     return call
 
@@ -222,7 +267,7 @@ def module_to_jax(
     module: torch.nn.Module,
     *,
     vmap_method: str = "torch",
-    vmap_randomness: str = "different",
+    vmap_randomness: str = "error",
     grad_method: str = "torch.func",
     result_shape_dtypes: Any = None,
     copy: bool = True,
@@ -232,7 +277,10 @@ def module_to_jax(
     Args:
       module: the module, or a ``torch.compile``'d one (real calls then run the compiled
         code; the variables keep the original module's names). Its forward is the code;
-        its mode (``train()``/``eval()``) when torch runs is respected. It is never mutated.
+        its mode (``train()``/``eval()``) when torch runs is respected. It is never run
+        and never changed: each call runs in a private copy of it made now (later changes
+        to the module's Python attributes or hooks are not seen), holding that call's
+        arrays from its forward through its backward, on any thread or device.
       vmap_method: how ``jax.vmap`` batches a call, as in ``to_jax``: ``"torch"`` (one
         ``torch.func.vmap`` call), ``"sequential"``, ``"expand_dims"`` or
         ``"broadcast_all"``. Calls with ``rng`` always run one call per example.

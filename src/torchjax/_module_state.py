@@ -1,99 +1,344 @@
-# A module's parameters and buffers swapped for the arrays of a call, and swapped back.
+# A module's calls, each in a private copy of the module holding that call's tensors.
 #
-# torch.func.functional_call does this too, but spends as long on bookkeeping (name
-# resolution, tie detection, setattr checks) as a small model spends computing. Here the
-# bookkeeping happens once: every name, including each alias of a tied tensor, is resolved
-# to the `_parameters`/`_buffers` dict that holds it, so a call only assigns dict entries.
-# The module's own tensors are put back afterwards, whatever happened.
+# A call of module_to_jax's apply is a pure function of its variables and inputs, on any
+# thread and device, from its forward through its backward. Putting a call's arrays into
+# the user's one nn.Module (as torch.func.functional_call does) cannot give that: two
+# threads (or two devices of a shard_map) would swap each other's tensors out, a backward
+# that reads the module again (torch.utils.checkpoint, adjoint ODE solvers) would see
+# whatever the module holds by then, and state the forward leaves behind (a lazily built
+# table, a cache, a Python counter) would change later calls. So the user's module is never
+# run. At module_to_jax time it is copied once (`template`; parameters and buffers become
+# meta placeholders, no memory), and every call runs in a copy of that template taken from
+# a pool: installed with the call's tensors, run, and given back reset to the template's
+# Python state. A copy that a backward may still read is held, not given back, until that
+# backward is done (_residual.hold). Fake runs get a fresh copy of their own, thrown away
+# after, so that no FakeTensor can reach a later call.
 from __future__ import annotations
 
+import collections
+import copy
+import operator
+import threading
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from torchjax._compat import module_buffers, module_parameters
-from torchjax._errors import VariablesError
+from torchjax._compat import (
+    compiled_context,
+    module_buffers,
+    module_parameters,
+    parametrize_cache,
+    storage_id,
+)
+from torchjax._errors import StateWarning, VariablesError
+from torchjax._fake_isolation import ModulesSnapshot
+from torchjax._residual import HeldState, KeptGraph, hold, input_view, rebuild_input_view
+from torchjax._shapes import real_mode
 
 GROUPS = ("params", "buffers")
+_setitem = operator.setitem
+_consume = collections.deque(maxlen=0).extend
 
 
-def _slots(module: torch.nn.Module, named: Any, slot_dict: Any) -> list[tuple[dict, str, str]]:
-    """(owning dict, key, canonical name) for every place a tensor of `named` sits.
+def _slot_names(module: torch.nn.Module, named: Any) -> list[tuple[str, str, str]]:
+    """(owner path, key, canonical name) for every place a tensor of `named` sits.
 
     `named` is named_parameters or named_buffers; a tied tensor's aliases (several places,
     one tensor) all map to the name under which it appears once in `variables`.
     """
     canonical = {id(t): name for name, t in named()}
-    slots = []
+    names = []
     for name, t in named(remove_duplicate=False):
         owner, _, key = name.rpartition(".")
-        slots.append((slot_dict(module.get_submodule(owner)), key, canonical[id(t)]))
-    return slots
+        names.append((owner, key, canonical[id(t)]))
+    return names
+
+
+def _placeholder(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of t's type, shape and dtype with no memory: what an idle copy holds. A read
+    of it outside a call (a reference the module keeps beside its slots) fails loudly."""
+    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(meta, requires_grad=t.requires_grad)
+    return meta
+
+
+class ModuleCopy(HeldState):
+    """One private copy of the module: what a call runs in.
+
+    Installed with a call's tensors (`install`), run, then either given back to its pool
+    (`release`: placeholders in, Python state reset) or held for a backward that may read
+    it again (see _residual.HeldState), which then finds it as the forward left it.
+    """
+
+    def __init__(self, pool: CopyPool, module: torch.nn.Module):
+        self.pool, self.module = pool, module
+        self.runner = pool.wrap(module)  # a torch.compile'd module runs compiled
+        owners = dict(module.named_modules(remove_duplicate=False))
+        self.slots = [
+            (d(owners[owner]), key)
+            for d, names in (
+                (module_parameters, pool.param_names),
+                (module_buffers, pool.buffer_names),
+            )
+            for owner, key, _ in names
+        ]
+        self.placeholders = [d[key] for d, key in self.slots]
+        self._dicts = [d for d, _ in self.slots]
+        self._keys = [key for _, key in self.slots]
+        self.snapshot = ModulesSnapshot(module)
+        self.training: tuple | None = None
+        self._record: list | None = None
+
+    def install(self, values: list, training: tuple) -> None:
+        if training != self.training:
+            for snapshot, mode in zip(self.snapshot.each, training, strict=True):
+                snapshot.set_training(mode)
+            self.training = training
+        if len(values) != len(self._keys):
+            raise ValueError(f"{len(values)} tensors for {len(self._keys)} slots")
+        _consume(map(_setitem, self._dicts, self._keys, values))  # a loop in C: per call
+
+    def slot_values(self) -> list:
+        return [d[key] for d, key in self.slots]
+
+    def _uninstall(self) -> None:
+        _consume(map(_setitem, self._dicts, self._keys, self.placeholders))
+
+    def release(self) -> None:
+        self._uninstall()
+        self._record = None
+        self.snapshot.restore_changed()
+        self.pool.give_back(self)
+
+    # -- held by a kept graph between the forward and its backward ---------------------
+    def keep_for_graph(self, graph: KeptGraph, inputs: list[torch.Tensor]) -> None:
+        where = {storage_id(t): k for k, t in enumerate(inputs) if t.numel()}
+        record = []
+        for t in self.slot_values():
+            leaf = next((i for i, lf in enumerate(graph.leaves) if lf is t), None)
+            if leaf is not None:
+                record.append(("leaf", leaf))
+            elif isinstance(t, torch.Tensor) and t.numel() and storage_id(t) in where:
+                record.append(("input", input_view(where[storage_id(t)], t)))
+            else:
+                record.append(("own", t))
+        self._record = record
+        self._uninstall()  # XLA's buffers are this call's only; the leaves are emptied
+
+    def reinstall(self, graph: KeptGraph) -> None:
+        for (d, key), (kind, value) in zip(self.slots, self._record, strict=True):
+            if kind == "leaf":
+                d[key] = graph.leaves[value]
+            elif kind == "input":
+                d[key] = rebuild_input_view(value, graph.inputs)
+            else:
+                d[key] = value
+
+
+class CopyPool:
+    """Copies of one template module, made on demand and reused; thread-safe."""
+
+    def __init__(self, template: torch.nn.Module, compiled: Any, param_names, buffer_names):
+        self.template, self.compiled = template, compiled
+        self.param_names, self.buffer_names = param_names, buffer_names
+        self._free: list[ModuleCopy] = []
+        self._lock = threading.Lock()
+
+    def wrap(self, module: torch.nn.Module) -> Any:
+        """What runs a copy: the copy, or for a compiled module the copy compiled alike."""
+        context = None if self.compiled is None else compiled_context(self.compiled)
+        return module if context is None else type(self.compiled)(module, context)
+
+    def _new(self) -> torch.nn.Module:
+        with self._lock:  # deepcopy reads the template, which nothing else may touch then
+            return _copy_of(self.template)
+
+    def acquire(self) -> ModuleCopy:
+        try:
+            return self._free.pop()
+        except IndexError:
+            return ModuleCopy(self, self._new())
+
+    def give_back(self, c: ModuleCopy) -> None:
+        self._free.append(c)
+
+    def fresh(self) -> torch.nn.Module:
+        """A copy for a fake run, used once: whatever the fake run leaves in it goes with it.
+        Made for real (its tensors are the template's), though a fake run asks for it."""
+        with real_mode():
+            return self._new()
+
+
+def _copy_of(module: torch.nn.Module, placeholders: dict | None = None) -> torch.nn.Module:
+    """A deep copy of `module` sharing the tensors in `placeholders` (id -> tensor)."""
+    memo = dict(placeholders or {})
+    for _, t in module.named_parameters(remove_duplicate=False):
+        memo.setdefault(id(t), t)
+    for _, t in module.named_buffers(remove_duplicate=False):
+        memo.setdefault(id(t), t)
+    return copy.deepcopy(module, memo)
+
+
+_COPY_FAILED = (
+    "module_to_jax({name}): the module cannot be copied ({error}). torchjax runs every call "
+    "in a private copy of the module, so that calls from several threads or devices, and a "
+    "backward that reads the module again, each see their own tensors and the module itself "
+    "never changes. Make the module deep-copyable (copy.deepcopy), or wrap a function of "
+    "its parameters with torchjax.to_jax."
+)
+
+
+_parametrize_lock = threading.RLock()
 
 
 class ModuleState:
-    """The named tensors of `module` and where they live; swaps them in and out.
+    """The named tensors of `module`, where they sit, and the copies calls run in.
 
     Args:
       module: the module whose forward runs (for a compiled module, its ``_orig_mod``).
+      compiled: the ``torch.compile``'d module, or None: real calls then run compiled copies.
     """
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, compiled: Any = None):
         self.module = module
         self.params = dict(module.named_parameters())
         self.buffers = dict(module.named_buffers())
-        self.param_slots = _slots(module, module.named_parameters, module_parameters)
-        self.buffer_slots = _slots(module, module.named_buffers, module_buffers)
-        self.slots = self.param_slots + self.buffer_slots
+        param_names = _slot_names(module, module.named_parameters)
+        buffer_names = _slot_names(module, module.named_buffers)
+        self.slot_names = [name for _, _, name in param_names + buffer_names]
+        self.n_params = len(param_names)
         # One slot per buffer name, to read the buffers back after a call.
-        first: dict[str, tuple[dict, str]] = {}
-        for d, key, name in self.buffer_slots:
-            first.setdefault(name, (d, key))
-        self.buffer_reads = [(name, d, key) for name, (d, key) in first.items()]
+        first: dict[str, int] = {}
+        for j, (_, _, name) in enumerate(buffer_names, self.n_params):
+            first.setdefault(name, j)
+        self.buffer_reads = list(first.items())
         self.shapes = {
             "params": {k: tuple(v.shape) for k, v in self.params.items()},
             "buffers": {k: tuple(v.shape) for k, v in self.buffers.items()},
         }
         self.submodules = list(module.modules())
+        placeholders = {id(t): _placeholder(t) for t in (*module.parameters(), *module.buffers())}
+        try:
+            template = _copy_of(module, placeholders)
+        except Exception as e:
+            raise VariablesError(
+                _COPY_FAILED.format(name=type(module).__name__, error=f"{type(e).__name__}: {e}")
+            ) from e
+        self.pool = CopyPool(template, compiled, param_names, buffer_names)
+        self.warned: set[str] = set()
+        # The parametrize.cached() keys of the module's parametrized tensors (see call).
+        self.parametrized = [
+            (id(m), name)
+            for m in self.submodules
+            if isinstance(getattr(m, "parametrizations", None), torch.nn.ModuleDict)
+            for name in m.parametrizations
+        ]
 
     def training(self) -> tuple[bool, ...]:
         """The mode of every submodule (train()/eval() may be set per submodule)."""
         return tuple([m.training for m in self.submodules])
 
     def slot_values(self, params: Mapping, buffers: Mapping) -> list:
-        """The tensor for every slot (in `slots` order) from the variables' two groups."""
-        return [params[name] for _, _, name in self.param_slots] + [
-            buffers[name] for _, _, name in self.buffer_slots
-        ]
+        """The tensor for every slot (parameters first) from the variables' two groups."""
+        n = self.n_params
+        names = self.slot_names
+        return [params[name] for name in names[:n]] + [buffers[name] for name in names[n:]]
 
-    def call(self, module: Any, args: tuple, kwargs: dict, values: list, read_buffers: bool) -> Any:
-        """``module(*args, **kwargs)`` with `values` (one per slot, see slot_values) in place
-        of the state's tensors.
+    def call(self, args: tuple, kwargs: dict, values: list, read_buffers: bool) -> Any:
+        """The module's ``forward(*args, **kwargs)`` with `values` (one per slot, see
+        slot_values) as its tensors, in a copy with the modes the user's module has now.
 
-        `module` is the state's module or a compiled form of it. Returns its result, and
-        with `read_buffers` also the buffers as the call left them (updated in place, or
-        reassigned by forward).
+        Returns its result, and with `read_buffers` also the buffers as the call left them
+        (updated in place, or reassigned by forward). Without it, a buffer the forward
+        reassigned is dropped, with a warning the first time.
         """
-        slots = self.slots
-        old = [d[key] for d, key, _ in slots]
+        if self.parametrized and parametrize_cache() is not None:
+            with _parametrize_lock:  # one call at a time may own the shared keys
+                return self._call_with_own_cache(args, kwargs, values, read_buffers)
+        return self._call(args, kwargs, values, read_buffers)
+
+    def _call(self, args: tuple, kwargs: dict, values: list, read_buffers: bool) -> Any:
+        c = self.pool.acquire()
+        c.install(values, self.training())  # the user's module's modes, as they are now
         try:
-            for (d, key, _), t in zip(slots, values, strict=True):
-                d[key] = t
-            out = module(*args, **kwargs)
+            out = c.runner(*args, **kwargs)
             if read_buffers:
-                out = (out, {name: d[key] for name, d, key in self.buffer_reads})
-            return out
+                out = (out, {name: c.slots[j][0][c.slots[j][1]] for name, j in self.buffer_reads})
+            elif self.buffer_reads:
+                self._check_reassigned(c, values)
+        except BaseException:
+            c.release()
+            raise
+        if not hold(c):
+            c.release()
+        return out
+
+    def _call_with_own_cache(self, args, kwargs, values, read_buffers) -> Any:
+        """call inside parametrize.cached(), whose cache key a copy shares with the user's
+        module: the call must neither read the module's cached tensors (its own parameters)
+        nor leave its own (this call's variables) for the module or the next call."""
+        cache = parametrize_cache()
+        theirs = {k: cache.pop(k) for k in self.parametrized if k in cache}
+        try:
+            return self._call(args, kwargs, values, read_buffers)
         finally:
-            for (d, key, _), t in zip(slots, old, strict=True):
-                d[key] = t
+            cache = parametrize_cache() or {}
+            for k in self.parametrized:
+                cache.pop(k, None)
+            cache.update(theirs)
+
+    def _check_reassigned(self, c: ModuleCopy, values: list) -> None:
+        for name, j in self.buffer_reads:
+            d, key = c.slots[j]
+            if d[key] is not values[j]:
+                self.warn_dropped(name, "reassigned it")
+
+    def warn_dropped(self, name: str, how: str) -> None:
+        if name in self.warned:
+            return
+        self.warned.add(name)
+        warnings.warn(
+            f"{type(self.module).__name__}'s forward {how}: buffer {name!r}. With "
+            f"mutable=False apply is a pure function of its variables, so the new value is "
+            f"dropped and the next call sees variables['buffers'][{name!r}] again. To keep "
+            f"it, call apply(variables, ..., mutable=True), which returns (output, "
+            f"new_buffers), and pass the new buffers to the next call.",
+            StateWarning,
+            stacklevel=2,
+        )
+
+    def fake_call(self, args: tuple, kwargs: dict, values: list, read_buffers: bool) -> Any:
+        """forward on fake tensors, in a copy of its own that is thrown away afterwards."""
+        module = self.pool.fresh()
+        c = ModuleCopy(_OneUse(self.pool), module)
+        c.install(values, self.training())
+        out = module(*args, **kwargs)
+        if read_buffers:
+            out = (out, {name: c.slots[j][0][c.slots[j][1]] for name, j in self.buffer_reads})
+        return out
 
     def check(self, module_name: str, params: Any, buffers: Any) -> None:
         """Raise VariablesError unless `params`/`buffers` have exactly the module's names
         and shapes. Their leaves need only ``.shape`` (tensors, fakes, ShapeDtypeStructs)."""
         for group, given in zip(GROUPS, (params, buffers), strict=True):
             _check_group(module_name, group, given, self.shapes[group])
+
+
+class _OneUse:
+    """The pool of a fake run's copy: it is never given back, and runs uncompiled."""
+
+    def __init__(self, pool: CopyPool):
+        self.param_names, self.buffer_names = pool.param_names, pool.buffer_names
+
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+    def give_back(self, c: ModuleCopy) -> None:
+        pass
 
 
 def _check_group(module_name: str, group: str, given: Any, expected: dict[str, tuple]) -> None:

@@ -113,6 +113,7 @@ class PytreePrimitive:
         self._impl_signature = self._lowering_signature = False
         self._flat_impl_rule: Callable | None = None
         self._eager_fallback_rule: Callable | None = None
+        self._untyped_first: Callable | None = None
         self._params_cache: dict[tuple, BoundParams] = {}
         self._params_home: Callable | None = None
         self._batching_rule: Callable | None = None
@@ -169,6 +170,16 @@ class PytreePrimitive:
         error stands there.
         """
         self._eager_fallback_rule = rule
+        return rule
+
+    def _def_untyped_first(self, rule: Callable) -> Callable:
+        """Register which eager calls skip abstract_eval (private: torch_call's).
+
+        ``rule(params)`` says whether an eager call with bind's keyword `params` goes
+        straight to the eager fallback rule (with ``error=None``), whose real run gives the
+        types: the user's torch function needs no fake run when there is real data.
+        """
+        self._untyped_first = rule
         return rule
 
     def _def_params_home(self, rule: Callable) -> Callable:
@@ -266,24 +277,9 @@ class PytreePrimitive:
             key = (in_tree, statics_t, _x64.value, *[_eager_type(x) for x in operands])
             signature = bound.eager_signatures.get(key)
             if signature is None:
-                avals = tuple(core.typeof(x) for x in operands)
-                try:
-                    signature = self._signature(bound, in_tree, statics_t, avals)
-                except Exception as e:
-                    if self._eager_fallback_rule is None:
-                        raise
-                    untyped = Untyped()
-                    out = self._eager_fallback_rule(
-                        e,
-                        operands,
-                        in_tree=in_tree,
-                        statics=statics_t,
-                        params=user_params,
-                        memo=untyped.memo,
-                    )
-                    _store(bound.eager_signatures, key, untyped)
-                    return out
-                _store(bound.eager_signatures, key, signature)
+                signature = self._eager_signature(bound, key, in_tree, statics_t, operands)
+                if type(signature) is tuple:  # (Untyped, the first call's outputs)
+                    return signature[1]
             if type(signature) is Untyped:
                 return self._eager_fallback_rule(
                     None,
@@ -316,6 +312,36 @@ class PytreePrimitive:
             params=user_params,
         )
         return _tree.tree_unflatten(signature.out_tree, out_flat)
+
+    def _eager_signature(self, bound, key, in_tree, statics, operands) -> Any:
+        """The signature of a new eager call: found by abstract_eval, or, where there is an
+        eager fallback rule and abstract_eval fails (or is skipped, see
+        _def_untyped_first), `(Untyped, outputs)`: the fallback computed this first call."""
+        user_params = bound.items
+        error = None
+        first = self._untyped_first
+        if first is None or not first(user_params):
+            avals = tuple(core.typeof(x) for x in operands)
+            try:
+                signature = self._signature(bound, in_tree, statics, avals)
+            except Exception as e:
+                if self._eager_fallback_rule is None:
+                    raise
+                error = e
+            else:
+                _store(bound.eager_signatures, key, signature)
+                return signature
+        untyped = Untyped()
+        out = self._eager_fallback_rule(
+            error,
+            operands,
+            in_tree=in_tree,
+            statics=statics,
+            params=user_params,
+            memo=untyped.memo,
+        )
+        _store(bound.eager_signatures, key, untyped)
+        return untyped, out
 
     def abstract_eval(self, *args: Any, **params: Any) -> Any:
         """The output types of ``bind(*args, **params)``: a pytree of ShapeDtypeStruct.

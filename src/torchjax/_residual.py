@@ -14,6 +14,13 @@
 # returned, so the graph must not keep them: a saved tensor that is (a view of) an input is
 # recorded as "input k, this view", and is rebuilt from the VJP's own inputs (the same
 # values, which JAX passes to the VJP) when the backward needs it.
+#
+# A backward may read more than saved tensors: torch.utils.checkpoint recomputes the forward
+# and an adjoint ODE solver re-evaluates its vector field, both reading the module they run
+# in. So what a forward leaves in use (module_to_jax's private module copy, holding that
+# call's tensors) is *held* until nothing can backpropagate through it any more: the end of
+# the outermost derived torch call (a VJP pulls back inside it), or, for a kept graph, its
+# backward. See `hold` and `HeldState`.
 from __future__ import annotations
 
 import collections
@@ -56,10 +63,11 @@ MAX_GRAPH_BYTES = 2 * 2**30
 
 
 class KeptGraph:
-    """One forward's autograd graph: the differentiated leaves, the outputs on it, and the
-    inputs its saved tensors refer to (filled in by the VJP before the backward)."""
+    """One forward's autograd graph: the differentiated leaves, the outputs on it, the
+    inputs its saved tensors refer to (the forward's during the forward, then filled in by
+    the VJP before the backward), and the state the forward left held (`HeldState`)."""
 
-    __slots__ = ("leaves", "outputs", "nbytes", "inputs", "refill", "__weakref__")
+    __slots__ = ("leaves", "outputs", "nbytes", "inputs", "refill", "held", "__weakref__")
 
     def __init__(self) -> None:
         self.leaves: list[torch.Tensor] = []
@@ -67,6 +75,28 @@ class KeptGraph:
         self.nbytes = 0
         self.inputs: list[torch.Tensor] = []
         self.refill: list[int | None] = []  # per leaf: the input to refill it from
+        self.held: list[HeldState] = []
+
+    def keep_held(self, held: list[HeldState], inputs: list[torch.Tensor]) -> None:
+        """Take over what the forward left held, until the backward (or this graph's end)."""
+        for h in held:
+            h.keep_for_graph(self, inputs)
+        self.held = held
+
+    def reinstall_held(self) -> None:
+        """Put the held state back as the forward left it, for the backward to read."""
+        for h in self.held:
+            h.reinstall(self)
+
+    def release_held(self) -> None:
+        held, self.held = self.held, []
+        for h in held:
+            h.release()
+
+    def __del__(self) -> None:
+        # An evicted graph, or one whose VJP recomputed instead, still gives back its state.
+        if self.held:
+            self.release_held()
 
     def let_go_of_inputs(self, inputs: list[torch.Tensor], returned: list[Any]) -> None:
         """Empty the leaves, which share the memory of `inputs`, until the VJP refills them.
@@ -93,6 +123,71 @@ class KeptGraph:
         for leaf, k in zip(self.leaves, self.refill, strict=True):
             if k is not None:
                 leaf.data = self.inputs[k]
+
+
+class HeldState:
+    """What a forward leaves in use that its backward may read again (interface).
+
+    module_to_jax's private module copies implement it: during its call the copy holds the
+    call's tensors, and a checkpointed or adjoint backward reads them from it.
+    """
+
+    def keep_for_graph(self, graph: KeptGraph, inputs: list[torch.Tensor]) -> None:
+        """Stop referring to `inputs` (XLA's buffers for this call only); remember how to
+        find them again in `graph` (its leaves, and its inputs as the VJP refills them)."""
+        raise NotImplementedError
+
+    def reinstall(self, graph: KeptGraph) -> None:
+        """Hold again what the forward held, from graph's refilled leaves and inputs."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Done: nothing will read it again."""
+        raise NotImplementedError
+
+
+class _Holding(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0  # derived torch calls open on this thread
+        self.held: list[HeldState] = []
+
+
+_holding = _Holding()
+
+
+def hold(state: HeldState) -> bool:
+    """Keep `state` until the outermost derived torch call on this thread ends (a backward
+    inside it may read it). False outside any: nothing can read it again, release it now."""
+    if not _holding.depth:
+        return False
+    _holding.held.append(state)
+    return True
+
+
+def enter_derived_call() -> None:
+    """A derived torch call (JVP, VJP, taped forward, batched call) starts on this thread."""
+    _holding.depth += 1
+
+
+def exit_derived_call() -> None:
+    """It ends; at the outermost one, everything held is released."""
+    _holding.depth -= 1
+    if not _holding.depth and _holding.held:
+        for state in take_held():
+            state.release()
+
+
+def held_count() -> int:
+    """How much this thread holds now: a mark for take_held."""
+    return len(_holding.held)
+
+
+def take_held(since: int = 0) -> list[HeldState]:
+    """What this thread came to hold after the mark `since`, handed to the caller (a kept
+    graph takes over what its forward held)."""
+    held = _holding.held[since:]
+    del _holding.held[since:]
+    return held
 
 
 class GraphStore:
@@ -132,6 +227,16 @@ class GraphStore:
 GRAPHS = GraphStore(MAX_GRAPHS, MAX_GRAPH_BYTES)
 
 
+class _Leaf:
+    """A saved tensor that is differentiated leaf i itself (an autograd.Function saving its
+    input, as adjoint ODE solvers do, later differentiates with respect to that very tensor)."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+
 class _InputView:
     """A saved tensor that is a view of input k: rebuilt from the VJP's input k."""
 
@@ -142,6 +247,15 @@ class _InputView:
         self.offset, self.dtype = t.storage_offset(), t.dtype
 
 
+def input_view(k: int, t: torch.Tensor) -> _InputView:
+    """How to rebuild `t`, a view of input k, from another set of inputs (the VJP's)."""
+    return _InputView(k, t)
+
+
+def rebuild_input_view(view: _InputView, inputs: list[torch.Tensor]) -> torch.Tensor:
+    return inputs[view.k].as_strided(view.size, view.stride, view.offset)
+
+
 @contextlib.contextmanager
 def recording(graph: KeptGraph, inputs: list[torch.Tensor]) -> Iterator[None]:
     """Record a forward into `graph`: saved views of `inputs` by reference, their sizes
@@ -150,6 +264,9 @@ def recording(graph: KeptGraph, inputs: list[torch.Tensor]) -> Iterator[None]:
     # request to write (see _guard.py), and would make the call run on copies.
     where = {storage_id(t): k for k, t in enumerate(inputs) if t.numel()}
     dtypes = [t.dtype for t in inputs]
+    # Autograd run inside the forward (forces from an energy, gradient penalties) unpacks
+    # saved tensors there: they refer to the forward's own inputs until it ends.
+    graph.inputs = inputs
     # The hooks live as long as the autograd graph, which the KeptGraph holds: a strong
     # reference back would be a cycle through C++ that Python's collector cannot see.
     kept = weakref.ref(graph)
@@ -159,12 +276,16 @@ def recording(graph: KeptGraph, inputs: list[torch.Tensor]) -> Iterator[None]:
             return t
         if t.layout != torch.strided or t.is_nested:
             return t.detach()  # sparse or nested: no storage that an input could share
+        owner = kept()
+        if owner is not None and t.requires_grad:
+            for i, leaf in enumerate(owner.leaves):
+                if t is leaf:
+                    return _Leaf(i)
         k = where.get(storage_id(t))
         if k is not None:
             if t.dtype == dtypes[k] and not t.is_conj() and not t.is_neg():
                 return _InputView(k, t)
             t = t.clone()  # a view as_strided cannot rebuild: keep a copy, not XLA's buffer
-        owner = kept()
         if owner is not None:
             owner.nbytes += t.numel() * t.element_size()
         # Detached: a saved output (tanh saves its own) kept with its grad_fn would close
@@ -173,12 +294,17 @@ def recording(graph: KeptGraph, inputs: list[torch.Tensor]) -> Iterator[None]:
 
     def unpack(saved: Any) -> torch.Tensor:
         if isinstance(saved, _InputView):
-            base = kept().inputs[saved.k]  # the VJP holds the graph while it pulls back
-            return base.as_strided(saved.size, saved.stride, saved.offset)
+            # The VJP holds the graph while it pulls back.
+            return rebuild_input_view(saved, kept().inputs)
+        if isinstance(saved, _Leaf):
+            return kept().leaves[saved.i]
         return saved
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        graph.inputs = []  # XLA's buffers: the VJP brings its own
 
 
 def rng_devices(device: torch.device | None) -> list[int]:

@@ -23,6 +23,7 @@ from torchjax._compat import (
 )
 from torchjax._convert import canonical_jax_dtype, torch_dtype
 from torchjax._errors import ConversionError, OutputMismatchError
+from torchjax._fake_isolation import FakeRunState
 from torchjax._guard import WriteGuard, check_versions
 
 _tree = jax.tree_util
@@ -137,8 +138,12 @@ def fake_target(fn: Any) -> Any:
     return fn if orig is None else orig
 
 
-def fake_eval(fn: Any, args: tuple, name: str, describe: Any = None) -> Any:
+def fake_eval(fn: Any, args: tuple, name: str, describe: Any = None, state_of: Any = None) -> Any:
     """Run `fn(*args)` on fake tensors; return its output as a pytree of ShapeDtypeStruct.
+
+    The run leaves no trace (_fake_isolation.py): the Python state of the modules reachable
+    from `state_of` is put back afterwards, and a fake tensor that something else kept is
+    an error (an lru_cache that kept one is cleared).
 
     Args:
       fn: a torch callable taking the positional pytrees `args`.
@@ -146,28 +151,47 @@ def fake_eval(fn: Any, args: tuple, name: str, describe: Any = None) -> Any:
         are passed through as they are.
       name: the user-facing function name, for messages.
       describe: maps a leaf's key path to its name in messages (default ``args[i]...``).
+      state_of: the user's callable, whose reachable state the run may touch (default
+        `fn`); one that isolates its own state (``isolates_state = True``: module_to_jax's
+        forward) is not searched.
 
     Raises:
       InPlaceMutationError: `fn` writes into an input (or changes one in place).
+      ShapeInferenceError: the run left a fake tensor where torchjax cannot take it back.
       Exception: whatever `fn` raised on fake tensors; callers add the context.
     """
+    state_of = fn if state_of is None else state_of
+    with _fake_lock:
+        touched = FakeRunState(state_of, name, getattr(state_of, "isolates_state", False))
+        try:
+            types = _fake_run(fn, args, name, describe or _path_of, touched)
+        finally:
+            touched.restore()
+        touched.check_left_behind()
+    return types
+
+
+def _fake_run(fn: Any, args: tuple, name: str, describe: Any, touched: FakeRunState) -> Any:
+    """fake_eval's run itself; every tensor it makes is tracked, and none outlives it here."""
     device = default_torch_device()
     no_inference = torch.inference_mode(False)  # inference tensors have no version counter
-    with _fake_lock, _inside_fake_run(), no_inference, FakeTensorMode(allow_non_fake_inputs=True):
+    with _inside_fake_run(), no_inference, FakeTensorMode(allow_non_fake_inputs=True):
         leaves, tree = _tree.tree_flatten_with_path(args)
         fakes, paths, values = [], [], []
-        describe = describe or _path_of
         for path, leaf in leaves:
             if isinstance(leaf, jax.core.ShapedArray | jax.ShapeDtypeStruct):
                 t = torch.empty(leaf.shape, dtype=torch_dtype(leaf.dtype), device=device)
+                touched.track(t)
                 fakes.append(t)
                 paths.append(describe(path))
                 values.append(t)
+                del t
             else:
                 values.append(leaf)
         versions = [tensor_version(t) for t in fakes]
-        with WriteGuard(fakes, paths, name):
+        with WriteGuard(fakes, paths, name, made=touched.track):
             out = fn(*_tree.tree_unflatten(tree, values))
+        del values
         check_versions(fakes, versions, paths, name, "seen while inferring output shapes")
     return _tree.tree_map_with_path(lambda p, x: output_struct(p, x, name), out)
 

@@ -20,8 +20,14 @@ from typing import Any
 import jax
 import torch
 
-from torchjax._call_plan import CallPlan, number_tensor, plain, to_jax_outputs
-from torchjax._compat import array_committed, sharding_device
+from torchjax._call_plan import (
+    CallPlan,
+    fake_output_error,
+    number_tensor,
+    plain,
+    to_jax_outputs,
+)
+from torchjax._compat import array_committed, is_fake, sharding_device
 from torchjax._convert import SUPPORTED_DTYPES, _ArrayImpl, array_to_tensor, torch_dtype
 from torchjax._errors import (
     ConversionError,
@@ -128,7 +134,7 @@ class UserFunction:
         target = fake_target(self.fn)
         try:
             call = lambda a, k: as_jax_tree(target(*a, **k))
-            return fake_eval(call, args, self.name, self.arg_path)
+            return fake_eval(call, args, self.name, self.arg_path, state_of=self.fn)
         except TorchJaxError:
             raise
         except Exception as e:
@@ -202,14 +208,14 @@ def _params_home(params: dict) -> dict:
 _DTYPES_OK: set = set()  # input dtypes known to convert
 
 
-def _check_input_dtype(fn: Any, path: tuple, dtype: Any) -> None:
+def _check_input_dtype(where: str, dtype: Any) -> None:
     try:
         torch_dtype(dtype)
     except ConversionError:
         is_key = jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
         hint = "Pass jax.random.key_data(key) instead. " if is_key else ""
         raise ConversionError(
-            f"{fn.arg_path(path)} has dtype {dtype}, which torch has no equivalent of. "
+            f"{where} has dtype {dtype}, which torch has no equivalent of. "
             f"{hint}Cast it to one of: {SUPPORTED_DTYPES}."
         ) from None
     _DTYPES_OK.add(dtype)
@@ -221,9 +227,16 @@ def _abstract_eval(*args: Any, fn: Any, options: Options) -> Any:
     user's function), or derived from the inner function's (every derived function)."""
     for path, leaf in _tree.tree_flatten_with_path(args)[0]:
         if isinstance(leaf, jax.core.ShapedArray) and leaf.dtype not in _DTYPES_OK:
-            _check_input_dtype(fn, path, leaf.dtype)
+            _check_input_dtype(fn.arg_path(path), leaf.dtype)
     if isinstance(fn, DerivedFunction):
         return fn.declared_shapes(options, *args)
+    _check_no_tensor(fn, args)
+    if fn.result_shape_dtypes is not None:
+        return fn.declared_shapes(options, *args)
+    return fn.fake_types(args)
+
+
+def _check_no_tensor(fn: Any, args: tuple) -> None:
     for path, leaf in _tree.tree_flatten_with_path(args)[0]:
         if isinstance(leaf, torch.Tensor):
             raise ConversionError(
@@ -231,9 +244,6 @@ def _abstract_eval(*args: Any, fn: Any, options: Options) -> Any:
                 f"arrays where the torch function takes tensors. Convert it with "
                 f"torchjax.tree_to_jax, or close over it in the torch function."
             )
-    if fn.result_shape_dtypes is not None:
-        return fn.declared_shapes(options, *args)
-    return fn.fake_types(args)
 
 
 def _plan(fn: Any, in_tree: Any, template: tuple, structs: tuple, out_tree: Any) -> CallPlan:
@@ -280,8 +290,10 @@ def _tensors(operands: Any, plan: CallPlan) -> list[torch.Tensor]:
     try:
         return [array_to_tensor(x) for x in operands]
     except ConversionError:
-        for k, x in enumerate(operands):
-            array_to_tensor(x, plan.input_path(k))  # raises again, naming the argument
+        for k, x in enumerate(operands):  # raise again, naming the argument
+            if getattr(x, "dtype", None) is not None and x.dtype not in _DTYPES_OK:
+                _check_input_dtype(plan.input_path(k), x.dtype)
+            array_to_tensor(x, plan.input_path(k))
         raise
 
 
@@ -318,15 +330,26 @@ def _impl_in_plain_mode(operands, in_tree, statics, signature, params) -> list:
             fake_runs.depth = depth
 
 
+@torch_call_p._def_untyped_first
+def _untyped_first(params: tuple) -> bool:
+    """The user's own function needs no fake run when called eagerly: there is data, and
+    its real run gives the types (nothing a fake run could leave behind, no fake-tensor
+    limits). Derived functions take their types from it, so they never fake-run anyway."""
+    fn = dict(params)["fn"]
+    return type(fn) is UserFunction and fn.result_shape_dtypes is None
+
+
 @torch_call_p._def_eager_fallback
 def _real_run(error: Exception | None, operands: tuple, *, in_tree, statics, params, memo) -> Any:
-    """An eager call whose output types could not be found without data: run it for real
-    and take the types from the outputs.
+    """An eager call without output types found beforehand: run it for real and take the
+    types from the outputs.
 
-    `error` is why the types could not be found, on the first such call of a signature;
-    None on later ones. The call runs behind the same in-place guard as any other (its
-    inputs refuse writes), with a plan kept in the signature's `memo`. A failure of the
-    real run is fn's own.
+    `error` is why the types could not be found (None where they were not looked for, see
+    _untyped_first, and on later calls). The call runs behind the same in-place guard as
+    any other (its inputs refuse writes), with plans kept in the signature's `memo`: the
+    first call's outputs give a typed plan that later calls try first (the checks of a
+    typed call, no output tree to walk), falling back to the untyped path where outputs
+    differ (their shapes may depend on the values). A failure of the real run is fn's own.
     """
     if isinstance(error, TorchJaxError) and not isinstance(error, ShapeInferenceError):
         raise error
@@ -335,18 +358,49 @@ def _real_run(error: Exception | None, operands: tuple, *, in_tree, statics, par
             return _real_run(
                 error, operands, in_tree=in_tree, statics=statics, params=params, memo=memo
             )
-    plan = memo.get("plan")
+    typed = memo.get("typed")
+    plan = typed or memo.get("plan")
     if plan is None:
-        plan = memo["plan"] = _plan(dict(params)["fn"], in_tree, statics, (), None)
-    device = _committed_device(operands, plan)
-    results, out_tree, paths = _typed_outputs(plan, _tensors(operands, plan))
-    return _tree.tree_unflatten(out_tree, to_jax_outputs(results, paths, device))
+        # What abstract eval (and the fake run) would have checked, once per signature.
+        fn = dict(params)["fn"]
+        args = _tree.tree_unflatten(in_tree, _fill(statics, operands))
+        _check_no_tensor(fn, args)
+        check = getattr(fn.fn, "check_signature", None) if type(fn) is UserFunction else None
+        if check is not None:
+            check(*args[0], **args[1])
+        plan = memo["plan"] = _plan(fn, in_tree, statics, (), None)
+    device = None
+    for x in operands:
+        if type(x) is _ArrayImpl and array_committed(x):
+            device = _committed_device(operands, plan)
+            break
+    tensors = _tensors(operands, plan)
+    if typed is not None:
+        results = typed.run(tensors, strict=False)
+        if type(results) is list:
+            return _tree.tree_unflatten(
+                typed.out_tree, to_jax_outputs(results, typed.out_paths, device)
+            )
+        box = results[1]
+    else:
+        box = [plan.invoke(tensors)]
+    results, out_tree, paths = _typed_outputs(plan, box)
+    outs = to_jax_outputs(results, paths, device)
+    if "typed" not in memo:
+        structs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
+        memo["typed"] = _plan(plan.fn, in_tree, statics, tuple(structs), out_tree)
+    return _tree.tree_unflatten(out_tree, outs)
 
 
-def _typed_outputs(plan: CallPlan, tensors: list) -> tuple[list, Any, list]:
+def _fill(statics: tuple, operands: tuple) -> list:
+    it = iter(operands)
+    return [next(it) if s is _ARRAY else s for s in statics]
+
+
+def _typed_outputs(plan: CallPlan, box: list) -> tuple[list, Any, list]:
     """fn's flat outputs as tensors, with their structure and paths; raises for what is
-    not an array."""
-    flat, out_tree = _tree.tree_flatten_with_path(plan.invoke(tensors))
+    not an array. `box` holds fn's raw output, and is emptied."""
+    flat, out_tree = _tree.tree_flatten_with_path(box.pop())
     results, paths = [], []
     while flat:  # popped, so that each output's references are all in `results`
         path, leaf = flat.pop(0)
@@ -354,6 +408,8 @@ def _typed_outputs(plan: CallPlan, tensors: list) -> tuple[list, Any, list]:
         struct = output_struct(path, leaf, plan.name)
         if not isinstance(leaf, torch.Tensor):
             leaf = number_tensor(leaf, torch_dtype(struct.dtype), where)
+        elif is_fake(leaf):
+            raise fake_output_error(plan.name, where)
         results.append(plain(leaf))
         paths.append(where)
         del leaf

@@ -1,6 +1,6 @@
 """The exceptions torchjax raises on purpose, importable for ``except`` clauses.
 
-Every class derives from :class:`TorchJaxError`, so ``except TorchJaxError`` catches any
+Every exception class derives from :class:`TorchJaxError`, so ``except TorchJaxError`` catches any
 of them; each also derives from the builtin exception that describes its kind
 (``TypeError``, ``ValueError``, ``RuntimeError``, ``NotImplementedError``), so code written
 against those keeps working. Messages say what went wrong, where (an argument path such
@@ -25,6 +25,7 @@ from torchjax._errors import (
     OutputMismatchError,
     RuleError,
     ShapeInferenceError,
+    StateWarning,
     StaticArgumentError,
     TorchJaxError,
     VariablesError,
@@ -40,6 +41,7 @@ __all__ = [
     "OutputMismatchError",
     "RuleError",
     "ShapeInferenceError",
+    "StateWarning",
     "StaticArgumentError",
     "VariablesError",
     "VmapError",

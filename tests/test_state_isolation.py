@@ -1,0 +1,406 @@
+"""A wrapped call is a pure function of its inputs, even when the torch code has state.
+
+module_to_jax calls run in private copies of the module (threads, backwards that read the
+module again, Python attributes a forward sets); fake runs leave nothing behind (lazily
+built attributes, lru_caches, lists a function appends to); torch code that runs autograd
+itself is differentiated. References are independent: the same math in jax.numpy, or torch
+computing the same thing directly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils.checkpoint import checkpoint
+
+import torchjax
+from torchjax.errors import ConversionError, ShapeInferenceError, StateWarning, VmapError
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _mlp_jnp(params, x):  # the same MLP in jax.numpy: [B, 16] -> [B, 4]
+    h = jnp.tanh(x @ params["0.weight"].T + params["0.bias"])
+    return h @ params["2.weight"].T + params["2.bias"]
+
+
+def _state(module):
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def _unchanged(module, before):
+    after = module.state_dict()
+    assert set(after) == set(before)
+    for k, v in before.items():
+        assert after[k].device.type != "meta", k
+        assert torch.equal(after[k], v), k
+
+
+X = jnp.asarray(np.random.RandomState(0).randn(8, 16), jnp.float32)
+
+
+# -- module calls from many threads --------------------------------------------------------
+def test_threads_each_with_their_own_variables_get_exact_values_and_gradients():
+    net = _mlp()
+    before = _state(net)
+    apply, variables = torchjax.module_to_jax(net)
+    jit_apply = jax.jit(apply)
+    loss = lambda p, x: jnp.sum(apply({"params": p, "buffers": {}}, x) ** 2)
+    grad = jax.jit(jax.grad(loss))
+    ref_grad = jax.grad(lambda p, x: jnp.sum(_mlp_jnp(p, x) ** 2))
+
+    def work(i: int) -> float:
+        params = jax.tree.map(lambda a: a * (1.0 + 0.1 * i), variables["params"])
+        want = np.asarray(_mlp_jnp(params, X))
+        want_grad = ref_grad(params, X)
+        worst = 0.0
+        for k in range(12):
+            out = (apply if k % 2 else jit_apply)({"params": params, "buffers": {}}, X)
+            worst = max(worst, float(np.abs(np.asarray(out) - want).max()))
+            if k % 4 == 0:
+                g = grad(params, X)
+                for name in params:
+                    err = np.abs(np.asarray(g[name]) - np.asarray(want_grad[name])).max()
+                    worst = max(worst, float(err) / 10)
+        return worst
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        errors = list(pool.map(work, range(8)))
+    assert max(errors) < 1e-5, errors
+    _unchanged(net, before)
+
+
+def test_seeded_calls_from_threads_match_the_same_call_alone():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5)).train()
+    apply, variables = torchjax.module_to_jax(net)
+    keys = [jax.random.key(i) for i in range(8)]
+    alone = [np.asarray(apply(variables, X, rng=k)) for k in keys]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda k: np.asarray(apply(variables, X, rng=k)), keys * 3))
+    for i, out in enumerate(together):
+        np.testing.assert_array_equal(out, alone[i % 8])
+
+
+# -- a backward that reads the module again ------------------------------------------------
+class _Checkpointed(torch.nn.Module):
+    """What Hugging Face's gradient_checkpointing_enable() does: the backward recomputes."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _mlp()
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_checkpointed_backward_sees_the_calls_weights(mode):
+    net = _Checkpointed()
+    before = _state(net)
+    apply, variables = torchjax.module_to_jax(net)
+    # Other weights than the module's own: after an optimizer step, say.
+    params = jax.tree.map(lambda a: a * 1.7 + 0.01, variables["params"])
+    loss = lambda p: jnp.sum(jnp.sin(apply({"params": p, "buffers": {}}, X)))
+    grad = jax.jit(jax.grad(loss)) if mode == "jit" else jax.grad(loss)
+    got = grad(params)
+    torch_net = _Checkpointed()
+    torch_net.load_state_dict({k: torch.tensor(np.asarray(v)) for k, v in params.items()})
+    torch.sin(torch_net(torch.tensor(np.asarray(X)))).sum().backward()
+    for name, p in torch_net.named_parameters():
+        np.testing.assert_allclose(got[name], p.grad.numpy(), rtol=1e-5, atol=1e-6)
+    _unchanged(net, before)
+
+
+# -- Python state a forward changes --------------------------------------------------------
+class _Stateful(torch.nn.Module):
+    """Builds a table lazily, counts its calls, and keeps a running buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("total", torch.zeros(4))
+        self.calls = 0
+        self.table = None
+
+    def forward(self, x):
+        if self.table is None or self.table.shape[0] != x.shape[-1]:
+            self.table = torch.cos(torch.arange(x.shape[-1], dtype=x.dtype))
+        self.calls += 1
+        self.total = self.total + x.sum(0)  # a buffer reassigned
+        return self.lin(x) * self.table + self.calls
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_attributes_a_call_sets_are_not_seen_by_later_calls(mode):
+    torch.manual_seed(0)
+    net = _Stateful()
+    pristine = copy.deepcopy(net)
+    apply, variables = torchjax.module_to_jax(net)
+    f = jax.jit(apply) if mode == "jit" else apply
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    with pytest.warns(StateWarning, match="(?s)reassigned it: buffer 'total'.*mutable=True"):
+        first = f(variables, x)
+    for _ in range(3):  # each call is the first call of a fresh module
+        out = f(variables, x)
+        want = copy.deepcopy(pristine)(torch.tensor(np.asarray(x))).detach().numpy()
+        np.testing.assert_allclose(out, want, rtol=1e-6)
+    np.testing.assert_array_equal(first, out)
+    assert net.calls == 0 and net.table is None  # the user's module never ran
+    _unchanged(net, _state(pristine))
+
+
+def test_mutable_returns_the_reassigned_buffer():
+    torch.manual_seed(0)
+    net = _Stateful()
+    reference = copy.deepcopy(net)
+    apply, variables = torchjax.module_to_jax(net)
+    x = jnp.ones((2, 4))
+    buffers = variables["buffers"]
+    for _ in range(3):
+        out, buffers = apply({"params": variables["params"], "buffers": buffers}, x, mutable=True)
+        fresh = copy.deepcopy(reference)  # its Python counter starts from 0, as apply's does
+        want = fresh(torch.tensor(np.asarray(x))).detach().numpy()
+        np.testing.assert_allclose(out, want, rtol=1e-6)
+        reference.total = fresh.total  # the buffer carries over, as the variables do
+    np.testing.assert_allclose(buffers["total"], 3 * np.asarray(x).sum(0))
+
+
+def test_in_place_buffer_write_without_mutable_warns_once():
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(4).train()
+    apply, variables = torchjax.module_to_jax(bn)
+    x = jnp.linspace(-1.0, 2.0, 12).reshape(3, 4)
+    with pytest.warns(StateWarning, match="(?s)wrote into it in place: buffer 'running_mean'"):
+        apply(variables, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StateWarning)
+        apply(variables, x)  # once per buffer, not once per call
+    np.testing.assert_array_equal(variables["buffers"]["running_mean"], np.zeros(4))
+
+
+# -- fake runs leave nothing behind --------------------------------------------------------
+@functools.lru_cache
+def _cos_table(n: int) -> torch.Tensor:
+    return torch.cos(torch.arange(n, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "grad"])
+def test_lru_cache_filled_by_the_function_holds_real_tensors(mode):
+    _cos_table.cache_clear()
+    f = torchjax.to_jax(lambda x: x * _cos_table(x.shape[0]))
+    x = jnp.linspace(0.5, 2.0, 5)
+    if mode == "grad":
+        out = jax.grad(lambda x: f(x).sum())(x)
+    else:
+        out = (jax.jit(f) if mode == "jit" else f)(x)
+    want = np.cos(np.arange(5.0)) * (1.0 if mode == "grad" else np.asarray(x))
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+    assert type(_cos_table(5)) is torch.Tensor  # in plain torch, afterwards, too
+    np.testing.assert_allclose(_cos_table(5).numpy(), np.cos(np.arange(5.0)), rtol=1e-6)
+
+
+class _LazyRotary(torch.nn.Module):
+    """A positional table built on first use, as rotary embeddings do."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        if not hasattr(self, "cos_cached") or self.cos_cached.shape[0] < x.shape[0]:
+            self.cos_cached = torch.cos(torch.arange(x.shape[0], dtype=x.dtype))
+        if "pos" not in self._buffers:
+            self.register_buffer("pos", torch.arange(x.shape[0], dtype=x.dtype))
+        return x * self.cos_cached[: x.shape[0]] * self.scale + self.pos
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "grad"])
+def test_lazily_built_attributes_of_a_closed_over_module(mode):
+    rotary = _LazyRotary()
+    f = torchjax.to_jax(lambda x: rotary(x))
+    x = jnp.linspace(0.5, 2.0, 6)
+    if mode == "grad":
+        out = jax.jit(jax.grad(lambda x: f(x).sum()))(x)
+        want = 2 * np.cos(np.arange(6.0))
+    else:
+        out = (jax.jit(f) if mode == "jit" else f)(x)
+        want = np.asarray(x) * np.cos(np.arange(6.0)) * 2 + np.arange(6.0)
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+    # The real calls built them (for real); the fake run's were put back.
+    for t in (rotary.cos_cached, rotary.pos):
+        assert type(t) is torch.Tensor
+    plain = rotary(torch.ones(6)).detach().numpy()  # the module still works in plain torch
+    np.testing.assert_allclose(plain, 2 * np.cos(np.arange(6.0)) + np.arange(6.0), rtol=1e-6)
+
+
+def test_list_a_function_appends_its_input_to_keeps_only_real_tensors():
+    kept = []
+
+    def keep(x):
+        kept.append(x)
+        return x * 2
+
+    f = jax.jit(torchjax.to_jax(keep))
+    f(jnp.ones(3))
+    f(jnp.full(3, 2.0))
+    assert [type(t) for t in kept] == [torch.Tensor, torch.Tensor]
+    np.testing.assert_array_equal(kept[-1].numpy(), [2.0, 2.0, 2.0])
+
+
+class _Box:
+    __slots__ = ("value",)  # no __dict__: torchjax cannot put back what it holds
+
+
+def test_fake_tensor_left_where_torchjax_cannot_reach_is_an_error():
+    box = _Box()
+    hidden = [[[box]]]  # deeper than torchjax looks, and a holder it cannot restore
+
+    def f(x):
+        hidden[0][0][0].value = x * 2
+        return x + 1
+
+    with pytest.raises(
+        ShapeInferenceError, match="(?s)left a fake tensor in a _Box object.*result_shape_dtypes"
+    ):
+        jax.jit(torchjax.to_jax(f))(jnp.ones(3))
+    # With declared types no fake run happens, and the box holds the real call's tensor.
+    declared = torchjax.to_jax(f, result_shape_dtypes=jax.ShapeDtypeStruct((3,), jnp.float32))
+    np.testing.assert_array_equal(jax.jit(declared)(jnp.ones(3)), [2.0, 2.0, 2.0])
+    assert type(box.value) is torch.Tensor
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_real_call_that_returns_a_fake_tensor_is_an_error(mode):
+    with FakeTensorMode():
+        fake = torch.ones(3)
+    assert isinstance(fake, FakeTensor)
+    # A tensor without data that some state kept (here: the closure) reaches a real call.
+    f = torchjax.to_jax(lambda x: fake, result_shape_dtypes=jax.ShapeDtypeStruct((3,), jnp.float32))
+    if mode == "jit":
+        with pytest.raises(Exception, match=r"(?s)ConversionError.*FakeTensor at out"):
+            jax.jit(f)(jnp.ones(3))
+    else:
+        with pytest.raises(ConversionError, match=r"(?s)FakeTensor at out.*result_shape_dtypes"):
+            f(jnp.ones(3))
+        with pytest.raises(ConversionError, match=r"(?s)FakeTensor at out"):
+            torchjax.to_jax(lambda x: fake)(jnp.ones(3))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_parametrize_cached_around_a_call(mode):
+    import torch.nn.utils.parametrize as parametrize
+
+    class Symmetric(torch.nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).transpose(-1, -2)
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3)
+    parametrize.register_parametrization(lin, "weight", Symmetric())
+    apply, variables = torchjax.module_to_jax(lin)
+    f = jax.jit(apply) if mode == "jit" else apply
+    x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+    other = jax.tree.map(lambda a: a * 2, variables)
+    x_t = torch.tensor(np.asarray(x))
+    with torch.no_grad():
+        doubled = copy.deepcopy(lin)
+        for p in doubled.parameters():
+            p.mul_(2)
+        want, want_other = lin(x_t).numpy(), doubled(x_t).numpy()
+    with parametrize.cached(), torch.no_grad():
+        mine = lin(x_t).numpy()  # the module caches its own weight under its key
+        out = np.asarray(f(variables, x))
+        out_other = np.asarray(f(other, x))  # neither reads what the other cached
+        mine_after = lin(x_t).numpy()
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+    np.testing.assert_allclose(out_other, want_other, rtol=1e-6)
+    np.testing.assert_array_equal(mine, want)
+    np.testing.assert_array_equal(mine_after, want)
+
+
+# -- torch code that runs autograd itself ---------------------------------------------------
+def _forces(w, x):  # minus the gradient of an energy: what interatomic potentials return
+    with torch.enable_grad():
+        x = x.detach().requires_grad_(True)
+        (dedx,) = torch.autograd.grad((w * torch.sin(x) ** 2).sum(), x, create_graph=True)
+    return -dedx
+
+
+_W = jnp.array([0.5, 1.5, 2.0], dtype=jnp.float32)
+_XF = jnp.array([0.3, -0.2, 1.1], dtype=jnp.float32)
+
+
+def _torch_loss(w):
+    return (_forces(w, torch.tensor(np.asarray(_XF))) ** 2).sum()
+
+
+@pytest.mark.parametrize("transform", ["grad", "jit_grad", "vjp", "hessian", "vmap_grad"])
+def test_autograd_inside_the_forward(transform):
+    f = torchjax.to_jax(_forces)
+    loss = lambda w: jnp.sum(f(w, _XF) ** 2)
+    w_t = torch.tensor(np.asarray(_W), requires_grad=True)
+    (want_grad,) = torch.autograd.grad(_torch_loss(w_t), w_t)
+    if transform == "grad":
+        got, want = jax.grad(loss)(_W), want_grad
+    elif transform == "jit_grad":
+        got, want = jax.jit(jax.grad(loss))(_W), want_grad
+    elif transform == "vjp":
+        out, pullback = jax.vjp(lambda w: f(w, _XF), _W)
+        ct = jnp.array([1.0, -2.0, 0.5])
+        (got,) = pullback(ct)
+        w_t = torch.tensor(np.asarray(_W), requires_grad=True)
+        forces = _forces(w_t, torch.tensor(np.asarray(_XF)))
+        (want,) = torch.autograd.grad(forces, w_t, torch.tensor(np.asarray(ct)))
+        np.testing.assert_allclose(out, forces.detach().numpy(), rtol=1e-6)
+    elif transform == "hessian":
+        got = jax.hessian(loss)(_W)
+        want = torch.autograd.functional.hessian(_torch_loss, torch.tensor(np.asarray(_W)))
+    else:
+        ws = jnp.stack([_W, 2 * _W])
+        got = jax.vmap(jax.grad(loss))(ws)
+        rows = []
+        for w in ws:
+            w_t = torch.tensor(np.asarray(w), requires_grad=True)
+            rows.append(torch.autograd.grad(_torch_loss(w_t), w_t)[0])
+        want = torch.stack(rows)
+    np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-5, atol=1e-6)
+    # The same by hand: forces are -w sin(2x), the loss' gradient 2 w sin(2x)^2.
+    if transform in ("grad", "jit_grad"):
+        np.testing.assert_allclose(got, 2 * _W * jnp.sin(2 * _XF) ** 2, rtol=1e-5)
+
+
+# -- vmap randomness ------------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["global", "generator"])
+def test_random_module_under_vmap_is_refused_by_default(which):
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gen = torch.Generator().manual_seed(0)
+
+        def forward(self, x):
+            if which == "global":
+                return x + torch.rand(x.shape)
+            return x + torch.rand(x.shape, generator=self.gen)
+
+    apply, variables = torchjax.module_to_jax(Noisy())
+    xs = jnp.zeros((4, 3))
+    with pytest.raises(VmapError, match="(?s)random.*vmap_randomness='different'"):
+        jax.vmap(lambda x: apply(variables, x))(xs)
+    f = torchjax.to_jax(lambda x: x + torch.rand(x.shape))
+    with pytest.raises(VmapError, match="(?s)random.*vmap_randomness='different'"):
+        jax.vmap(f)(xs)
+    chosen, v = torchjax.module_to_jax(Noisy(), vmap_randomness="different")
+    assert jax.vmap(lambda x: chosen(v, x))(xs).shape == (4, 3)
