@@ -50,8 +50,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # The core tests: every transform and their compositions, conversion, the primitive, the
-# private-API registry, the in-place guard, shard_map and state isolation. They need no optional extras
-# (transformers, flax, numpyro, diffrax), only TEST_TOOLS.
+# private-API registry, the in-place guard, shard_map and state isolation. They need no
+# optional extras (transformers, flax, numpyro, diffrax), only TEST_TOOLS.
 CORE_TESTS = (
     "tests/test_compat.py",
     "tests/test_to_jax.py",
