@@ -13,7 +13,7 @@ import torch
 from _timing import Row, Table, format_tables, median_seconds
 
 from torchjax._convert import array_to_tensor, tensor_to_jax
-from torchjax._to_torch import to_torch
+from torchjax._to_torch._to_torch import to_torch
 
 
 def rows_for(f, n: int) -> list[Row]:

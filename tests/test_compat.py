@@ -1,6 +1,6 @@
 # The private JAX, jaxlib and torch names torchjax uses: every one is listed here and must
 # exist in the installed versions, so an upgrade that removes one fails here, by name. They
-# are all looked up in src/torchjax/_compat.py and nowhere else; where a public API can do a
+# are all looked up in src/torchjax/_compat/ and nowhere else; where a public API can do a
 # name's job, the fallback is exercised here too (it must cost speed, not function).
 #
 # Nothing is imported from torchjax at module level: if a required name is missing, importing
@@ -149,8 +149,8 @@ def test_the_list_is_compat_registry():
     assert _compat.MISSING == []  # its own lookups agree: no fallback is in use here
 
 
-# Private names written outside _compat.py: module paths and attributes of other libraries.
-_PRIVATE_TEXT = re.compile(r"_src|torch\._|torch\.utils\._|jaxlib\.")
+# Private names written outside _compat/: module paths and attributes of other libraries.
+_PRIVATE_TEXT = re.compile(r"_src|(?<!\w)torch\._|torch\.utils\._|jaxlib\.")
 _PRIVATE_ATTRS = {
     "_version",
     "_is_zerotensor",
@@ -174,7 +174,9 @@ _PRIVATE_ATTRS = {
 
 
 @pytest.mark.parametrize(
-    "path", sorted(p for p in SRC.glob("*.py") if p.name != "_compat.py"), ids=lambda p: p.name
+    "path",
+    sorted(p for p in SRC.rglob("*.py") if "_compat" not in p.parts),
+    ids=lambda p: str(p.relative_to(SRC)),
 )
 def test_private_names_appear_only_in_compat(path):
     text = path.read_text()
@@ -243,12 +245,12 @@ def test_dlpack_import_tries_older_signatures():
 
 def test_eager_calls_without_trace_context(monkeypatch):
     import torchjax
-    from torchjax import _pytree_types
+    from torchjax._primitive import _params
 
     f = torchjax.to_jax(lambda x: torch.sin(x) * 2)
     x = jnp.linspace(0.0, 1.0, 5)
     expected = f(x)
-    monkeypatch.setattr(_pytree_types, "at_top_level", lambda: False)  # every call binds
+    monkeypatch.setattr(_params, "at_top_level", lambda: False)  # every call binds
     np.testing.assert_allclose(f(x + 0), expected)
     np.testing.assert_allclose(jax.grad(lambda x: f(x).sum())(x), 2 * np.cos(x), rtol=1e-6)
 
@@ -274,7 +276,7 @@ def test_public_x64_flag_reads_the_same_state():
 
 def test_to_torch_without_functorch_state(monkeypatch):
     import torchjax
-    from torchjax import _to_torch
+    from torchjax._to_torch import _to_torch
 
     # As if torch lacked the functorch and forward-AD probes: every call is autograd.Function.
     monkeypatch.setattr(_to_torch, "functorch_transforms_active", lambda: True)
@@ -314,7 +316,7 @@ def test_direct_linearization_is_registered_and_agrees_with_jax_fallback(monkeyp
     # gives the same values: the rule costs nothing but time to lose.
     import torchjax
     from torchjax import _compat
-    from torchjax._torch_call import torch_call_p
+    from torchjax._to_jax._torch_call import torch_call_p
 
     assert _compat.LINEARIZE_CONVENTION in ("nonzeros", "is_vjp", "structured")
     table = _compat._linearizations

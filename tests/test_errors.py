@@ -46,7 +46,7 @@ def test_every_error_class_is_public_and_derives_from_the_base():
 
 
 def test_variables_error_still_importable_from_module():
-    from torchjax._module import VariablesError
+    from torchjax._module_to_jax._module_to_jax import VariablesError
 
     assert VariablesError is errors.VariablesError
 

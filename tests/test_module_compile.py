@@ -11,7 +11,6 @@ import torch
 
 import torchjax
 
-
 # Calls that ran inside a dynamo-compiled frame. A global: apply runs copies of the module,
 # whose own attributes are reset after every call.
 COMPILED_CALLS = [0]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 import torchjax
-from torchjax._residual import GRAPHS
+from torchjax._to_jax._residual import GRAPHS
 
 
 def _close(actual, expected, rtol=1e-5, atol=1e-6):
@@ -284,17 +284,19 @@ def test_a_step_copies_no_input(jit, monkeypatch):
     # The kept graph must not make the call copy its inputs: neither by running it on
     # copies (a protected input asked for a writable pointer) nor by giving XLA's buffers
     # a private copy because the graph keeps the parameters alive (release).
-    from torchjax import _call_plan, _lowering
+    from torchjax._to_jax import _call_plan, _rule_lowering
 
     copied = []
     on_copies = _call_plan.CallPlan._invoke_on_copies
-    released = _lowering.release
+    released = _rule_lowering.release
     monkeypatch.setattr(
         _call_plan.CallPlan,
         "_invoke_on_copies",
         lambda self, *a, **k: copied.append("on copies") or on_copies(self, *a, **k),
     )
-    monkeypatch.setattr(_lowering, "release", lambda t: copied.append("release") or released(t))
+    monkeypatch.setattr(
+        _rule_lowering, "release", lambda t: copied.append("release") or released(t)
+    )
     step = jax.value_and_grad(torchjax.to_jax(_mlp_loss))
     step = jax.jit(step) if jit else step
     for _ in range(3):

@@ -11,8 +11,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 import torchjax
-from torchjax import _lowering
-from torchjax._torch_call import torch_call_p
+from torchjax._to_jax import _rule_lowering
+from torchjax._to_jax._torch_call import torch_call_p
 
 real_calls = collections.Counter()
 
@@ -184,7 +184,7 @@ def test_result_shape_dtypes_skips_fake_run():
 
 
 def test_pure_callback_fallback(monkeypatch):
-    monkeypatch.setattr(_lowering, "USE_BUFFER_CALLBACK", False)
+    monkeypatch.setattr(_rule_lowering, "USE_BUFFER_CALLBACK", False)
     f = torchjax.to_jax(lambda x, y: {"s": x + y.to(x.dtype), "b": (x > 1).to(torch.bfloat16)})
     x = jnp.arange(4.0)
     y = jnp.arange(4, dtype=jnp.int32)

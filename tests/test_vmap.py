@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import is_fake
 
 import torchjax
-from torchjax import _batching
 from torchjax._errors import ShapeInferenceError, VmapError
+from torchjax._to_jax import _batching
 
 SEQUENTIAL = re.escape("vmap_method='sequential'")
 

@@ -2,11 +2,11 @@
 
 from torchjax import errors
 from torchjax._convert import tree_to_jax, tree_to_torch
-from torchjax._module import module_to_jax
-from torchjax._primitive import PytreePrimitive
-from torchjax._to_jax import to_jax
-from torchjax._to_torch import to_torch
-from torchjax._torch_module import to_torch_module
+from torchjax._module_to_jax._module_to_jax import module_to_jax
+from torchjax._primitive._core import PytreePrimitive
+from torchjax._to_jax._to_jax import to_jax
+from torchjax._to_torch._to_torch import to_torch
+from torchjax._to_torch._to_torch_module import to_torch_module
 
 __all__ = [
     "PytreePrimitive",

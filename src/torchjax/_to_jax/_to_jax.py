@@ -11,11 +11,11 @@ from typing import Any
 
 import jax
 
-import torchjax._autodiff  # noqa: F401  (registers torch_call_p's jvp and transpose rules)
-import torchjax._split_jvp  # noqa: F401  (registers the batching rule, and the JVP splits)
+import torchjax._to_jax._autodiff  # noqa: F401  (registers torch_call_p's jvp and transpose rules)
+import torchjax._to_jax._rule_partial_eval  # noqa: F401  (registers the batching rule, and the JVP splits)
 from torchjax._convert import is_array
 from torchjax._errors import StaticArgumentError
-from torchjax._torch_call import (
+from torchjax._to_jax._torch_call import (
     GRAD_METHODS,
     VMAP_METHODS,
     VMAP_RANDOMNESS,

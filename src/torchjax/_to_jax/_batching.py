@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torchjax._call_plan import autograd_inside, runs_autograd_itself
 from torchjax._compat import FAST_VMAP
 from torchjax._compat import vmap_add_batch_dim as _add_batch_dim
 from torchjax._compat import vmap_decrement_nesting as _vmap_decrement_nesting
@@ -28,8 +27,9 @@ from torchjax._compat import vmap_lazy_load_decompositions as lazy_load_decompos
 from torchjax._compat import vmap_remove_batch_dim as _remove_batch_dim
 from torchjax._convert import torch_dtype
 from torchjax._errors import VmapError
-from torchjax._pytree_types import _is_operand
-from torchjax._torch_call import VMAP_RANDOMNESS, DerivedFunction, Options, torch_call_p
+from torchjax._primitive._params import _is_operand
+from torchjax._to_jax._call_plan import autograd_inside, runs_autograd_itself
+from torchjax._to_jax._torch_call import VMAP_RANDOMNESS, DerivedFunction, Options, torch_call_p
 
 _tree = jax.tree_util
 
@@ -301,7 +301,7 @@ def _is_abstract(x: Any) -> bool:
 def batch(args: tuple, axes: tuple, *, fn: Any, options: Options) -> tuple[Any, int]:
     """Batch ``fn(*args)`` according to ``options.vmap_method``; outputs batched at axis 0.
 
-    torch_call_p's batching rule; _split_jvp.py registers it, after taking out one case
+    torch_call_p's batching rule; _rule_partial_eval.py registers it, after taking out one case
     of the JVP call (tangents batched, primals not).
     """
     leaves, tree = _tree.tree_flatten(args)

@@ -1,6 +1,6 @@
 # The values PytreePrimitive passes around: operand placeholders, linear-input markers,
 # per-signature output types, and the helpers that rebuild pytrees from flat operands.
-# Split from _primitive.py so the class there reads as bind plus one adapter per rule.
+# Split from _core.py so the class there reads as bind plus one adapter per rule.
 from __future__ import annotations
 
 import math

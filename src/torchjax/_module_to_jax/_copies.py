@@ -34,9 +34,9 @@ from torchjax._compat import (
     storage_id,
 )
 from torchjax._errors import StateWarning, VariablesError
-from torchjax._fake_isolation import ModulesSnapshot
-from torchjax._residual import HeldState, KeptGraph, hold, input_view, rebuild_input_view
-from torchjax._shapes import real_mode
+from torchjax._to_jax._fake_isolation import ModulesSnapshot
+from torchjax._to_jax._fake_run import real_mode
+from torchjax._to_jax._residual import HeldState, KeptGraph, hold, input_view, rebuild_input_view
 
 GROUPS = ("params", "buffers")
 _setitem = operator.setitem

@@ -11,12 +11,12 @@ import jax
 import numpy as np
 import torch
 
-from torchjax._batching import as_tensor
-from torchjax._call_plan import autograd_inside
 from torchjax._compat import peek_interpreter_stack
 from torchjax._convert import torch_dtype
 from torchjax._errors import AutodiffError
-from torchjax._torch_call import DerivedFunction
+from torchjax._to_jax._batching import as_tensor
+from torchjax._to_jax._call_plan import autograd_inside
+from torchjax._to_jax._torch_call import DerivedFunction
 
 _tree = jax.tree_util
 

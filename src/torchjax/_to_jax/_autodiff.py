@@ -2,7 +2,7 @@
 #
 # The JVP rule binds torch_call_p once, for JvpFunction(fn, with_primals=True): one
 # torch.func.jvp gives the outputs and their tangents. Where JAX needs the two halves apart
-# (linearize, grad, checkpoint, scan, jacfwd), _split_jvp.py splits that call into
+# (linearize, grad, checkpoint, scan, jacfwd), _rule_partial_eval.py splits that call into
 # fn(primals) and JvpFunction(fn)(primals, tangents), which is linear in the tangents; the
 # transpose rule turns the latter into VjpFunction(fn)(primals, cotangents). All of these
 # are torch callables bound to the same primitive, so they are batched, differentiated and
@@ -22,9 +22,11 @@ import jax
 import numpy as np
 import torch
 
-from torchjax._batching import vmap_call
 from torchjax._compat import is_functorch_wrapped
-from torchjax._derivative import (
+from torchjax._errors import AutodiffError
+from torchjax._primitive._params import Linear, _is_operand
+from torchjax._to_jax._batching import vmap_call
+from torchjax._to_jax._derivative import (
     ZerosLike,
     _autograd_pullback,
     _autograd_pullbacks,
@@ -36,9 +38,8 @@ from torchjax._derivative import (
     _outermost,
     _stack_batch,
 )
-from torchjax._errors import AutodiffError
-from torchjax._pytree_types import Linear, _is_operand
-from torchjax._residual import (
+from torchjax._to_jax._fake_run import default_torch_device
+from torchjax._to_jax._residual import (
     GRAPHS,
     KeptGraph,
     enter_derived_call,
@@ -50,8 +51,7 @@ from torchjax._residual import (
     rng_state_size,
     take_held,
 )
-from torchjax._shapes import default_torch_device
-from torchjax._torch_call import Options, torch_call_p
+from torchjax._to_jax._torch_call import Options, torch_call_p
 
 _tree = jax.tree_util
 
@@ -63,7 +63,7 @@ class JvpFunction(_Derivative):
     With ``with_primals`` it returns inner's outputs too, flat and first: ``(*outputs,
     *tangents)``, from the one torch.func.jvp that computes both. The JVP rule binds that
     form; where JAX needs the halves apart (linearize, grad, checkpoint, jacfwd), the
-    rules in _split_jvp.py split it back into the primal call and the linear form.
+    rules in _rule_partial_eval.py split it back into the primal call and the linear form.
 
     ``taped``: the linear form that follows a TapedFunction, called as ``(primals,
     residuals, tangents)`` with that call's residuals; it replays the forward's random
@@ -246,7 +246,7 @@ class VjpFunction(_Derivative):
 @dataclasses.dataclass(frozen=True)
 class TapedFunction(_Derivative):
     """``(*primals) -> (*inner's flat outputs, handle, rng_state)``: the primal half of a
-    call that reverse mode splits (_split_jvp.py), run with autograd recording on the
+    call that reverse mode splits (_rule_partial_eval.py), run with autograd recording on the
     `wrt` leaves. The graph is kept under `handle` (0: none kept, e.g. under a torch.func
     transform) for the VJP to pull back through; `rng_state` is torch's generator state
     from before the forward, for a VJP that must recompute. See _residual.py.
@@ -391,7 +391,7 @@ def _jvp_of_pullback(primals: tuple, ct_dots: tuple, fn: VjpFunction, options: O
     """A VJP differentiated with respect to its cotangents alone, in which it is linear:
     its tangent is the same VJP of the cotangents' tangents. Both come from one call that
     runs the forward once and pulls back both (VjpFunction.pair); batched over the
-    tangents alone (jax.jacfwd), it splits again (_split_jvp.py)."""
+    tangents alone (jax.jacfwd), it splits again (_rule_partial_eval.py)."""
     *points, cts = primals
     if all(t is None for t in ct_dots):
         return torch_call_p.bind(*primals, fn=fn, options=options), None
@@ -411,7 +411,7 @@ def _transpose(cts: Any, *args: Any, fn: Any, options: Options) -> tuple:
     taken at zero (any point will do for a linear function).
     """
     if isinstance(fn, JvpFunction) and fn.with_primals:
-        # Partial evaluation splits this form before transposition (see _split_jvp.py);
+        # Partial evaluation splits this form before transposition (see _rule_partial_eval.py);
         # should it reach here whole, its outputs must carry no cotangent.
         n_out = len(fn.out_mask)
         if any(c is not None for c in cts[:n_out]):

@@ -18,7 +18,8 @@ import torch
 from torchjax._compat import is_fake, is_zerotensor, set_grad_enabled, tensor_version
 from torchjax._convert import canonical_torch_dtype, check_has_data, tensor_to_jax, torch_dtype
 from torchjax._errors import ConversionError, OutputMismatchError, TorchJaxError
-from torchjax._guard import (
+from torchjax._primitive._params import _ARRAY
+from torchjax._to_jax._guard import (
     check_versions,
     inplace_error,
     is_private,
@@ -26,8 +27,7 @@ from torchjax._guard import (
     refuse_writes,
     same_bytes,
 )
-from torchjax._pytree_types import _ARRAY
-from torchjax._torch_outputs import as_jax_tree
+from torchjax._to_jax._outputs import as_jax_tree
 
 _tree = jax.tree_util
 _version = tensor_version

@@ -20,13 +20,6 @@ from typing import Any
 import jax
 import torch
 
-from torchjax._call_plan import (
-    CallPlan,
-    fake_output_error,
-    number_tensor,
-    plain,
-    to_jax_outputs,
-)
 from torchjax._compat import array_committed, is_fake, sharding_device
 from torchjax._convert import SUPPORTED_DTYPES, _ArrayImpl, array_to_tensor, torch_dtype
 from torchjax._errors import (
@@ -35,10 +28,16 @@ from torchjax._errors import (
     ShapeInferenceError,
     TorchJaxError,
 )
-from torchjax._lowering import callback_call
-from torchjax._primitive import PytreePrimitive
-from torchjax._pytree_types import _ARRAY, _is_operand
-from torchjax._shapes import (
+from torchjax._primitive._core import PytreePrimitive
+from torchjax._primitive._params import _ARRAY, _is_operand
+from torchjax._to_jax._call_plan import (
+    CallPlan,
+    fake_output_error,
+    number_tensor,
+    plain,
+    to_jax_outputs,
+)
+from torchjax._to_jax._fake_run import (
     fake_eval,
     fake_runs,
     fake_target,
@@ -47,7 +46,8 @@ from torchjax._shapes import (
     output_struct,
     real_mode,
 )
-from torchjax._torch_outputs import as_jax_tree
+from torchjax._to_jax._outputs import as_jax_tree
+from torchjax._to_jax._rule_lowering import callback_call
 
 _SingleDevice = jax.sharding.SingleDeviceSharding
 _tree = jax.tree_util
@@ -418,7 +418,7 @@ def _typed_outputs(plan: CallPlan, box: list) -> tuple[list, Any, list]:
 
 @torch_call_p.def_lowering(signature=True)
 def _lowering(*args: Any, fn: Any, options: Options, signature: Any) -> Any:
-    """Under jit: a buffer_callback that runs fn on XLA's buffers (see _lowering.py)."""
+    """Under jit: a buffer_callback that runs fn on XLA's buffers (see _rule_lowering.py)."""
     del options
     operands, *parts = _plan_parts(args, signature.out_types)
     plan = _plan(fn, *parts)

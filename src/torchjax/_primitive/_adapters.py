@@ -2,7 +2,7 @@
 #
 # JAX calls each with the flat operands and the primitive's params; each rebuilds the
 # caller's pytrees, calls the registered rule, and flattens and checks what it returns.
-# Split from _primitive.py, which keeps bind and the evaluation adapters. `self` is the
+# Split from _core.py, which keeps bind and the evaluation adapters. `self` is the
 # PytreePrimitive (each is registered as functools.partial(adapter, primitive)).
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 
 from torchjax._compat import ad
 from torchjax._errors import OutputMismatchError
-from torchjax._pytree_types import (
+from torchjax._primitive._params import (
     _ARRAY,
     Linear,
     _broadcast_prefix,

@@ -22,8 +22,8 @@ import jax
 from torchjax._compat import ad, batching, core, dispatch, mlir, varying_manual_axes
 from torchjax._compat import jax_config as config
 from torchjax._errors import OutputMismatchError, RuleError
-from torchjax._primitive_ad import flat_batching, flat_jvp, flat_transpose
-from torchjax._pytree_types import (
+from torchjax._primitive._adapters import flat_batching, flat_jvp, flat_transpose
+from torchjax._primitive._params import (
     _ARRAY,
     _OPERAND_TYPES,
     BoundParams,

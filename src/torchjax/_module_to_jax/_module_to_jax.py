@@ -2,7 +2,7 @@
 #
 # The module object only supplies the code (its forward) and the structure; its parameters
 # and buffers travel as JAX arrays in `variables`. Every call runs in a private copy of the
-# module holding that call's tensors (_module_state.py), so calls on several threads or
+# module holding that call's tensors (_copies.py), so calls on several threads or
 # devices, and backwards that read the module again, each see their own, and the user's
 # module never changes. One to_jax function per variant of a call (mutable or not, the
 # modules' train/eval modes, with or without an rng key) keeps every per-call decision out
@@ -29,10 +29,10 @@ from torchjax._compat import (
 )
 from torchjax._convert import tree_to_jax
 from torchjax._errors import VariablesError
-from torchjax._guard import same_bytes
-from torchjax._module_state import ModuleState
-from torchjax._pytree_types import _ARRAY
-from torchjax._to_jax import to_jax
+from torchjax._module_to_jax._copies import ModuleState
+from torchjax._primitive._params import _ARRAY
+from torchjax._to_jax._guard import same_bytes
+from torchjax._to_jax._to_jax import to_jax
 
 __all__ = ["VariablesError", "module_to_jax"]  # VariablesError: importable here as before
 

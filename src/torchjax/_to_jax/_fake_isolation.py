@@ -4,7 +4,7 @@
 # Code with state keeps what it computes: a tensor attribute built lazily in forward, a
 # buffer registered on first use, a functools.lru_cache of tables, a library's prediction
 # cache, a list a hook appends its input to. Kept from a fake run, such a tensor reaches
-# later real calls (and plain torch) as garbage. So around every fake run (_shapes.py):
+# later real calls (and plain torch) as garbage. So around every fake run (_fake_run.py):
 #   * what the function can reach (itself, its closure, the globals its code names, a bound
 #     method's object, a partial's arguments, and the objects, lists and dicts those hold;
 #     for modules, every submodule, its attributes and the globals of its forward code) is
@@ -16,7 +16,7 @@
 #     a cache), and anything else is an error that names the holder, before any real call
 #     could read it.
 # module_to_jax needs none of the first step: its fake runs use a copy of the module that
-# is thrown away afterwards (_module_state.py).
+# is thrown away afterwards (_copies.py).
 from __future__ import annotations
 
 import collections

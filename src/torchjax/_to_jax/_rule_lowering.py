@@ -28,7 +28,7 @@ from torchjax._convert import (
     narrow_checked,
     torch_dtype,
 )
-from torchjax._guard import release
+from torchjax._to_jax._guard import release
 
 try:
     from jax.experimental.buffer_callback import buffer_callback

@@ -23,13 +23,13 @@ from typing import Any
 
 import jax
 
-from torchjax import _batching
-from torchjax._autodiff import JvpFunction, TapedFunction, VjpFunction, differentiated
 from torchjax._compat import ad, core, register_linearization
 from torchjax._compat import partial_eval as pe
-from torchjax._derivative import _inexact
-from torchjax._pytree_types import _ARRAY, _rebuild
-from torchjax._torch_call import torch_call_p
+from torchjax._primitive._params import _ARRAY, _rebuild
+from torchjax._to_jax import _batching
+from torchjax._to_jax._autodiff import JvpFunction, TapedFunction, VjpFunction, differentiated
+from torchjax._to_jax._derivative import _inexact
+from torchjax._to_jax._torch_call import torch_call_p
 
 _prim = torch_call_p.primitive
 

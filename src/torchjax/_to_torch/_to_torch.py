@@ -1,7 +1,7 @@
 # to_torch: call a JAX function from PyTorch, with autograd and torch.func support.
 #
 # A call flattens its arguments into tensor leaves and static leaves, and looks up a `_Spec`
-# (_jax_spec.py) for the signature (tree structure, static values, shapes, dtypes, x64
+# (_spec.py) for the signature (tree structure, static values, shapes, dtypes, x64
 # mode). A spec holds one *flat* JAX function -- arrays in, tuple of arrays out -- and its
 # jitted form. Every derived function is again a flat JAX function in a spec: the vjp
 # (torch's backward), the jvp (forward mode), jax.vmap'ed versions (torch.func.vmap). All of
@@ -21,7 +21,7 @@ import torch
 from torchjax._compat import forward_ad_active, functorch_transforms_active
 from torchjax._convert import canonical_jax_dtype
 from torchjax._errors import ConversionError, JaxOutputError, StaticArgumentError
-from torchjax._jax_spec import _Spec, run_spec
+from torchjax._to_torch._spec import _Spec, run_spec
 
 _tree = jax.tree_util
 

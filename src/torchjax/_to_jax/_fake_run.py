@@ -23,8 +23,8 @@ from torchjax._compat import (
 )
 from torchjax._convert import canonical_jax_dtype, torch_dtype
 from torchjax._errors import ConversionError, OutputMismatchError
-from torchjax._fake_isolation import FakeRunState
-from torchjax._guard import WriteGuard, check_versions
+from torchjax._to_jax._fake_isolation import FakeRunState
+from torchjax._to_jax._guard import WriteGuard, check_versions
 
 _tree = jax.tree_util
 

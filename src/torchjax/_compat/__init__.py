@@ -298,7 +298,7 @@ mlir = types.SimpleNamespace(
     ),
     lower_fun=_private("jax.interpreters.mlir.lower_fun", "jax._src.interpreters.mlir.lower_fun"),
 )
-# The JVP splits (_split_jvp.py): partial-evaluation rules, and remat policy results.
+# The JVP splits (_rule_partial_eval.py): partial-evaluation rules, and remat policy results.
 partial_eval = types.SimpleNamespace(
     custom_partial_eval_rules=_private(
         "jax.interpreters.partial_eval.custom_partial_eval_rules",
@@ -479,7 +479,7 @@ vmap_increment_nesting = _VMAP_STEPS["_vmap_increment_nesting"]
 vmap_decrement_nesting = _VMAP_STEPS["_vmap_decrement_nesting"]
 vmap_lazy_load_decompositions = _VMAP_STEPS["lazy_load_decompositions"]
 
-# Fake tensors: output shapes without data (_shapes.py, _module.py, _convert.py).
+# Fake tensors: output shapes without data (_fake_run.py, _module_to_jax.py, _convert.py).
 fake_tensor = _private("torch._subclasses.fake_tensor")
 FakeTensorMode = _private("torch._subclasses.fake_tensor.FakeTensorMode")
 is_fake = _private("torch._subclasses.fake_tensor.is_fake")
@@ -501,7 +501,7 @@ FAKE_LIMIT_ERRORS = tuple(
     if fake_tensor is not _ABSENT and hasattr(fake_tensor, name)
 )
 
-# torch's pytree registry: containers torch knows and JAX does not (_torch_outputs.py).
+# torch's pytree registry: containers torch knows and JAX does not (_outputs.py).
 torch_pytree = _private("torch.utils._pytree")
 for _name in ("SUPPORTED_NODES", "MappingKey", "GetAttrKey"):
     _private(f"torch.utils._pytree.{_name}")
@@ -570,7 +570,7 @@ module_parameters = operator.attrgetter("_parameters")
 module_buffers = operator.attrgetter("_buffers")
 module_children = operator.attrgetter("_modules")
 
-# The in-place guard (_guard.py, _call_plan.py, _lowering.py): dispatch modes, and who
+# The in-place guard (_guard.py, _call_plan.py, _rule_lowering.py): dispatch modes, and who
 # shares a tensor's storage.
 TorchDispatchMode = _private("torch.utils._python_dispatch.TorchDispatchMode")
 # Every later write into the storage raises before it happens (torch's mark for fake ones).
