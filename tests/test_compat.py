@@ -23,82 +23,30 @@ import torch
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "torchjax"
 
-# Alternatives (one per JAX or torch generation) are joined by " | "; one of them must exist.
-# "()" after a part means an instance of it; the two torch.compile names are checked below.
-PRIVATE_NAMES = [
-    "jax._src.core.trace_ctx",
-    "jax._src.core.EvalTrace",
-    "jax._src.core.auto_insert_reshard | jax._src.core.standard_insert_pvary",
-    "jax._src.core.ShapedArray.mat | jax._src.core.ShapedArray.vma",
-    "jax.extend.core.set_current_trace | jax._src.core.set_current_trace",
-    "jax._src.dispatch.apply_primitive",
-    "jax._src.literals.TypedNdArray",
-    "jax.interpreters.ad.primitive_jvps | jax._src.interpreters.ad.primitive_jvps",
-    "jax.interpreters.ad.primitive_transposes | jax._src.interpreters.ad.primitive_transposes",
-    "jax.interpreters.ad.Zero | jax._src.interpreters.ad.Zero",
-    "jax.interpreters.ad.is_undefined_primal | jax._src.interpreters.ad.is_undefined_primal",
-    "jax.interpreters.batching.primitive_batchers"
-    " | jax._src.interpreters.batching.primitive_batchers",
-    "jax.interpreters.mlir.register_lowering | jax._src.interpreters.mlir.register_lowering",
-    "jax.interpreters.mlir.lower_fun | jax._src.interpreters.mlir.lower_fun",
-    "jax.interpreters.partial_eval.custom_partial_eval_rules"
-    " | jax._src.interpreters.partial_eval.custom_partial_eval_rules",
-    "jax.interpreters.partial_eval.partial_eval_jaxpr_custom_rules"
-    " | jax._src.interpreters.partial_eval.partial_eval_jaxpr_custom_rules",
-    "jax._src.interpreters.partial_eval.ensure_enum",
-    "jax._src.interpreters.ad.primitive_linearizations",
-    "jax._src.interpreters.ad.fallback_linearize_rule",
-    "jax._src.interpreters.ad.LinearizeTrace",
-    "jax._src.interpreters.partial_eval.RecomputeType",
-    "jax._src.config.enable_x64",
-    "jax._src.lib._jax.dlpack_managed_tensor_to_buffer",
-    "jax._src.lib._jax.buffer_to_dlpack_managed_tensor",
-    "jax._src.lib._jax.ArrayImpl",
-    "jax._src.lib._jax.ArrayImpl._committed",
-    "jax.sharding.SingleDeviceSharding._device",
-    "torch._C._from_dlpack",
-    "torch._C._set_grad_enabled",
-    "torch.Tensor._version",
-    "torch.Tensor._is_zerotensor",
-    "torch._C._functorch.is_functorch_wrapped_tensor",
-    "torch._C._are_functorch_transforms_active",
-    "torch._C._functorch.peek_interpreter_stack",
-    "torch.autograd.forward_ad._current_level",
-    "torch._C._DisableFuncTorch",
-    "torch._functorch.predispatch._add_batch_dim",
-    "torch._functorch.predispatch._remove_batch_dim",
-    "torch._functorch.predispatch._vmap_increment_nesting",
-    "torch._functorch.predispatch._vmap_decrement_nesting",
-    "torch._functorch.predispatch.lazy_load_decompositions",
-    "torch._subclasses.fake_tensor",
-    "torch._subclasses.fake_tensor.FakeTensorMode",
-    "torch._subclasses.fake_tensor.is_fake",
-    "torch._subclasses.fake_tensor.unset_fake_temporarily",
-    "torch._guards.detect_fake_mode",
-    "torch.utils._pytree",
-    "torch.utils._pytree.SUPPORTED_NODES",
-    "torch.utils._pytree.is_structseq_class",
-    "torch.utils._pytree.MappingKey",
-    "torch.utils._pytree.GetAttrKey",
-    "torch._dynamo.eval_frame.OptimizedModule",
-    "torch._dynamo.eval_frame.OptimizedModule()._orig_mod",
-    "torch._dynamo.eval_frame.OptimizedModule().dynamo_ctx",
-    "torch.compile(function)._torchdynamo_orig_callable",
-    "torch.nn.utils.parametrize._cache",
-    "torch.nn.utils.parametrize._cache_enabled",
-    "torch.nn.Module()._parameters",
-    "torch.nn.Module()._buffers",
-    "torch.nn.Module()._modules",
-    "torch.utils._python_dispatch.TorchDispatchMode",
-    "torch._C._set_throw_on_mutable_data_ptr",
-    "torch._C._storage_Use_Count",
-    "torch._C._storage_id",
-    "torch.UntypedStorage._cdata",
-    "torch.Tensor._use_count",
-    "torch.Tensor._is_view",
-    "torch.Tensor._base",
-    "torch.ops.aten.add.Tensor._schema",
-]
+COMPAT = SRC / "_compat"
+
+
+def _listed_names() -> list[str]:
+    """Every name _compat looks up or records, read from its source: `private("a", "b")`
+    (alternatives, one per JAX or torch generation, joined by " | ": one of them must
+    exist) and `register("a")`. "()" after a part means an instance of it; the torch.compile
+    names are checked below. Read as text, so that a missing required name, which makes
+    importing torchjax fail, is still named by the test below."""
+    names = []
+    for path in sorted(COMPAT.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+                "private",
+                "register",
+            ):
+                paths = [a.value for a in node.args if isinstance(a, ast.Constant)]
+                if node.func.id == "register":
+                    paths = paths[:1]
+                names.append(" | ".join(paths))
+    return names
+
+
+PRIVATE_NAMES = _listed_names()
 
 
 def _exists(path: str) -> bool:
@@ -143,10 +91,11 @@ def test_private_name_exists_in_installed_versions(name):
 
 
 def test_the_list_is_compat_registry():
-    from torchjax import _compat
+    from torchjax._compat import _registry
 
-    assert sorted(PRIVATE_NAMES) == sorted(_compat.PRIVATE_NAMES)
-    assert _compat.MISSING == []  # its own lookups agree: no fallback is in use here
+    assert len(PRIVATE_NAMES) > 60  # the source was read
+    assert sorted(PRIVATE_NAMES) == sorted(_registry.PRIVATE_NAMES)
+    assert _registry.MISSING == []  # its own lookups agree: no fallback is in use here
 
 
 # Private names written outside _compat/: module paths and attributes of other libraries.
@@ -193,14 +142,14 @@ def test_private_names_appear_only_in_compat(path):
 
 
 def test_dlpack_fast_paths_are_in_use_and_zero_copy():
-    from torchjax import _compat
+    from torchjax._compat import _jax, _torch
     from torchjax._convert import array_to_tensor, tensor_to_jax
 
     t = torch.arange(16.0)
     a = tensor_to_jax(t)
-    assert _compat.cpu_array_from_tensor.forms, "jaxlib's DLPack import fell back to jax.dlpack"
+    assert _torch.cpu_array_from_tensor.forms, "jaxlib's DLPack import fell back to jax.dlpack"
     assert a.unsafe_buffer_pointer() == t.data_ptr()
-    assert type(a) is _compat.ArrayImpl and _compat.dlpack_export is not None
+    assert type(a) is _jax.ArrayImpl and _jax.dlpack_export is not None
     assert array_to_tensor(a).data_ptr() == t.data_ptr()
 
 
@@ -208,9 +157,9 @@ def test_dlpack_fast_paths_are_in_use_and_zero_copy():
 
 
 def test_dlpack_import_fallback_is_zero_copy():
-    from torchjax import _compat
+    from torchjax._compat import _torch
 
-    fallback = _compat._CpuImport()
+    fallback = _torch._CpuImport()
     fallback.forms = []  # as where jaxlib's function is missing or takes none of the forms
     t = torch.arange(16.0)
     a = fallback(t, jax.devices("cpu")[0])
@@ -219,7 +168,7 @@ def test_dlpack_import_fallback_is_zero_copy():
 
 
 def test_dlpack_import_tries_older_signatures():
-    from torchjax import _compat
+    from torchjax._compat import _torch
 
     calls = []
 
@@ -232,46 +181,47 @@ def test_dlpack_import_tries_older_signatures():
             raise TypeError("dlpack_managed_tensor_to_buffer(): incompatible function arguments")
         return only_three_args(*args)
 
-    convert = _compat._CpuImport()
-    original = _compat._dlpack_import
-    _compat._dlpack_import = strict
+    convert = _torch._CpuImport()
+    original = _torch.dlpack_import
+    _torch.dlpack_import = strict
     try:
         out = convert(torch.ones(3), jax.devices("cpu")[0])
     finally:
-        _compat._dlpack_import = original
+        _torch.dlpack_import = original
     np.testing.assert_array_equal(np.asarray(out), np.ones(3))
     assert calls == [None] and convert.forms == [(None,)]
 
 
 def test_eager_calls_without_trace_context(monkeypatch):
     import torchjax
-    from torchjax._primitive import _params
+    from torchjax._primitive import _core
 
     f = torchjax.to_jax(lambda x: torch.sin(x) * 2)
     x = jnp.linspace(0.0, 1.0, 5)
     expected = f(x)
-    monkeypatch.setattr(_params, "at_top_level", lambda: False)  # every call binds
+    monkeypatch.setattr(_core, "at_top_level", lambda: False)  # every call binds
     np.testing.assert_allclose(f(x + 0), expected)
     np.testing.assert_allclose(jax.grad(lambda x: f(x).sum())(x), 2 * np.cos(x), rtol=1e-6)
 
 
 def test_apply_primitive_fallback_runs_the_lowering(monkeypatch):
-    from torchjax import PytreePrimitive, _compat
+    from torchjax import PytreePrimitive
+    from torchjax._compat import _jax
 
     p = PytreePrimitive("lowered_only")
     p.def_abstract_eval(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype))
     p.def_lowering(lambda x: x * 3)
-    monkeypatch.setattr(_compat.dispatch, "apply_primitive", _compat._jit_apply_primitive)
+    monkeypatch.setattr(_jax.dispatch, "apply_primitive", _jax._jit_apply_primitive)
     np.testing.assert_allclose(p.bind(jnp.arange(3.0)), [0.0, 3.0, 6.0])
 
 
 def test_public_x64_flag_reads_the_same_state():
-    from torchjax import _compat
+    from torchjax._compat import _jax
 
-    public = _compat._PublicX64()
-    assert public.value == _compat.jax_config.enable_x64.value == jax.config.jax_enable_x64
+    public = _jax._PublicX64()
+    assert public.value == _jax.jax_config.enable_x64.value == jax.config.jax_enable_x64
     with jax.enable_x64(not public.value):
-        assert public.value == _compat.jax_config.enable_x64.value
+        assert public.value == _jax.jax_config.enable_x64.value
 
 
 def test_to_torch_without_functorch_state(monkeypatch):
@@ -315,11 +265,11 @@ def test_direct_linearization_is_registered_and_agrees_with_jax_fallback(monkeyp
     # oldest and newest), and without the rule JAX's own linearization of the JVP rule
     # gives the same values: the rule costs nothing but time to lose.
     import torchjax
-    from torchjax import _compat
+    from torchjax._compat import _jax
     from torchjax._to_jax._torch_call import torch_call_p
 
-    assert _compat.LINEARIZE_CONVENTION in ("nonzeros", "is_vjp", "structured")
-    table = _compat._linearizations
+    assert _jax.LINEARIZE_CONVENTION in ("nonzeros", "is_vjp", "structured")
+    table = _jax._linearizations
     assert torch_call_p.primitive in table
 
     def loss(w, x):

@@ -177,8 +177,9 @@ def test_linearize_splits_the_call_into_primal_and_linear_halves():
         (type(fn).__name__, getattr(fn, "with_primals", None))
         for fn, _ in _torch_calls(jaxpr.jaxpr)
     )
-    # The primal half is taped: it keeps the graph and RNG state for a later transpose.
-    assert kinds == [("JvpFunction", False), ("TapedFunction", None)]
+    # The primal half is a RecordedForward: it keeps the graph and RNG state for a later
+    # transpose.
+    assert kinds == [("JvpFunction", False), ("RecordedForward", None)]
 
 
 def test_jacfwd_computes_the_primal_once_unbatched():

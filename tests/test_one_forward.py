@@ -136,7 +136,7 @@ def test_same_mask_when_the_vjp_recomputes():
     kept = len(GRAPHS)
     value, f_lin = jax.linearize(f, x)
     _close(value, f_lin(x), rtol=1e-6)  # the JVP in direction x at x = 1: the same sum
-    from torchjax._compat import LINEARIZE_CONVENTION
+    from torchjax._compat._jax import LINEARIZE_CONVENTION
 
     if LINEARIZE_CONVENTION != "nonzeros":  # JAX 0.8 does not say the linear half goes forward
         assert len(GRAPHS) == kept  # applied forward, it recomputes: no graph is kept for it
@@ -283,19 +283,19 @@ def test_kept_graph_with_sparse_intermediates(jit):
 def test_a_step_copies_no_input(jit, monkeypatch):
     # The kept graph must not make the call copy its inputs: neither by running it on
     # copies (a protected input asked for a writable pointer) nor by giving XLA's buffers
-    # a private copy because the graph keeps the parameters alive (release).
+    # a private copy because the graph keeps the parameters alive (copy_kept_inputs).
     from torchjax._to_jax import _call_plan, _rule_lowering
 
     copied = []
     on_copies = _call_plan.CallPlan._invoke_on_copies
-    released = _rule_lowering.release
+    released = _rule_lowering.copy_kept_inputs
     monkeypatch.setattr(
         _call_plan.CallPlan,
         "_invoke_on_copies",
         lambda self, *a, **k: copied.append("on copies") or on_copies(self, *a, **k),
     )
     monkeypatch.setattr(
-        _rule_lowering, "release", lambda t: copied.append("release") or released(t)
+        _rule_lowering, "copy_kept_inputs", lambda t: copied.append("copy") or released(t)
     )
     step = jax.value_and_grad(torchjax.to_jax(_mlp_loss))
     step = jax.jit(step) if jit else step

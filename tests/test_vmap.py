@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 import torchjax
 from torchjax._errors import ShapeInferenceError, VmapError
-from torchjax._to_jax import _batching
+from torchjax._to_jax import _callables, _vmap
 
 SEQUENTIAL = re.escape("vmap_method='sequential'")
 
@@ -111,14 +111,14 @@ def test_nested_vmap_of_dict_function_is_one_torch_vmap_call():
 @pytest.mark.parametrize("fast", [True, False])
 def test_nested_vmap_counts_torch_func_vmap_calls(monkeypatch, fast):
     seen = []
-    real_vmap_call = _batching.vmap_call
+    real_vmap_call = _vmap.vmap_call
 
     def spy(fn, tensors, in_dims, randomness):
         seen.append(in_dims)
         return real_vmap_call(fn, tensors, in_dims, randomness)
 
-    monkeypatch.setattr(_batching, "vmap_call", spy)
-    monkeypatch.setattr(_batching, "FAST_VMAP", fast)  # False: torch.func.vmap itself
+    monkeypatch.setattr(_callables, "vmap_call", spy)
+    monkeypatch.setattr(_vmap, "FAST_VMAP", fast)  # False: torch.func.vmap itself
     f = torchjax.to_jax(lambda d: d["a"] * d["b"])
     a, b = _arange(2, 3, 4), _arange(4, 3)
     g = jax.jit(jax.vmap(jax.vmap(f, in_axes=({"a": 0, "b": 1},)), in_axes=({"a": 0, "b": None},)))
@@ -513,10 +513,10 @@ def test_python_number_outputs_keep_their_dtype_under_vmap():
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_vmap_without_torch_func_wrapper_matches_torch_func_vmap(monkeypatch, fast):
-    # _batching.vmap_call takes torch.func.vmap's steps without its Python wrapper; with
+    # _vmap.vmap_call takes torch.func.vmap's steps without its Python wrapper; with
     # FAST_VMAP off it is torch.func.vmap itself. Both must give the jax.numpy results,
     # for tuple and integer outputs, nested vmaps, and vmap of grad.
-    monkeypatch.setattr(_batching, "FAST_VMAP", fast)
+    monkeypatch.setattr(_vmap, "FAST_VMAP", fast)
     f = torchjax.to_jax(lambda x, w: (torch.tanh(x @ w), x.argmax(), x.shape[0]))
     fj = lambda x, w: (jnp.tanh(x @ w), x.argmax(), x.shape[0])
     xs, w = _arange(2, 3, 4) / 10, _arange(4, 5) / 10

@@ -17,16 +17,10 @@ import jax
 import numpy as np
 import torch
 
-from torchjax._compat import (
-    ARRAY_TYPES,
-    HOST_ARRAY_TYPES,
-    ArrayImpl,
-    cpu_array_from_tensor,
-    dlpack_export,
-    is_fake,
-)
-from torchjax._compat import jax_config as _jax_config
-from torchjax._compat import tensor_from_capsule as _tensor_from_capsule
+from torchjax._compat._jax import ARRAY_TYPES, HOST_ARRAY_TYPES, ArrayImpl, dlpack_export
+from torchjax._compat._jax import jax_config as _jax_config
+from torchjax._compat._torch import cpu_array_from_tensor, is_fake
+from torchjax._compat._torch import tensor_from_capsule as _tensor_from_capsule
 from torchjax._errors import ConversionError
 
 # torch dtype -> numpy/JAX dtype. The one table: every other module asks these helpers.

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchjax._compat import (
+from torchjax._compat._torch import (
     compiled_context,
     module_buffers,
     module_parameters,

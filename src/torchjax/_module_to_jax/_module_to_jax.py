@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import torch
 
-from torchjax._compat import (
+from torchjax._compat._torch import (
     compiled_original,
     detect_fake_mode,
     is_fake,
@@ -30,8 +30,9 @@ from torchjax._compat import (
 from torchjax._convert import tree_to_jax
 from torchjax._errors import VariablesError
 from torchjax._module_to_jax._copies import ModuleState
-from torchjax._primitive._params import _ARRAY
+from torchjax._primitive._params import ARRAY
 from torchjax._to_jax._guard import same_bytes
+from torchjax._to_jax._options import GradMethod, VmapMethod, VmapRandomness
 from torchjax._to_jax._to_jax import to_jax
 
 __all__ = ["VariablesError", "module_to_jax"]  # VariablesError: importable here as before
@@ -196,7 +197,7 @@ def _copy_buffers(values: list, n_params: int) -> list:
 
 def _flat_forward(impl: _Apply, in_tree: Any, template: list, mutable: bool) -> Callable | None:
     """forward's real call for one call structure, as a function of the call's tensors in
-    flattening order (`template`: _ARRAY where a tensor goes, else the static leaf).
+    flattening order (`template`: ARRAY where a tensor goes, else the static leaf).
 
     Each variable's tensor goes straight into its slots, and the module's arguments are
     rebuilt only where they are more than a tuple of arrays: a tiny module's call spends
@@ -210,7 +211,7 @@ def _flat_forward(impl: _Apply, in_tree: Any, template: list, mutable: bool) -> 
     params, buffers, args, kwargs = call_args
     tensor_at = {}  # leaf index -> index among the call's tensors
     for i, leaf in enumerate(template):
-        if leaf is _ARRAY:
+        if leaf is ARRAY:
             tensor_at[i] = len(tensor_at)
     try:
         n_params = state.n_params
@@ -222,13 +223,13 @@ def _flat_forward(impl: _Apply, in_tree: Any, template: list, mutable: bool) -> 
     has_buffers = len(slot_tensors) > n_params
     rest = _tree.tree_leaves((args, kwargs))
     flat_args = _tree.tree_structure(args) == _tree.tree_structure((0,) * len(args))
-    if flat_args and not kwargs and all(template[i] is _ARRAY for i in rest):
+    if flat_args and not kwargs and all(template[i] is ARRAY for i in rest):
         first = tensor_at[rest[0]] if rest else len(tensor_at)
         rebuild = lambda tensors: (tensors[first:], {})  # noqa: E731 - (x, y, ...), no kwargs
     else:
         rest_tree = _tree.tree_structure((args, kwargs))
         filled = [
-            (tensor_at[i], None) if template[i] is _ARRAY else (None, template[i]) for i in rest
+            (tensor_at[i], None) if template[i] is ARRAY else (None, template[i]) for i in rest
         ]
         rebuild = lambda tensors: _tree.tree_unflatten(  # noqa: E731
             rest_tree, [tensors[k] if k is not None else v for k, v in filled]
@@ -266,9 +267,9 @@ def _to_jax_copy(tensors: dict[str, torch.Tensor], copy: bool) -> dict:
 def module_to_jax(
     module: torch.nn.Module,
     *,
-    vmap_method: str = "torch",
-    vmap_randomness: str = "error",
-    grad_method: str = "torch.func",
+    vmap_method: VmapMethod = "torch.func",
+    vmap_randomness: VmapRandomness = "error",
+    grad_method: GradMethod = "torch.func",
     result_shape_dtypes: Any = None,
     copy: bool = True,
 ) -> tuple[Callable, dict]:
@@ -281,11 +282,13 @@ def module_to_jax(
         and never changed: each call runs in a private copy of it made now (later changes
         to the module's Python attributes or hooks are not seen), holding that call's
         arrays from its forward through its backward, on any thread or device.
-      vmap_method: how ``jax.vmap`` batches a call, as in ``to_jax``: ``"torch"`` (one
+      vmap_method: how ``jax.vmap`` batches a call, as in ``to_jax``: ``"torch.func"`` (one
         ``torch.func.vmap`` call), ``"sequential"``, ``"expand_dims"`` or
         ``"broadcast_all"``. Calls with ``rng`` always run one call per example.
-      vmap_randomness: ``torch.func.vmap``'s ``randomness``, as in ``to_jax``;
-        ``"different"`` (default) lets dropout draw independently per example.
+      vmap_randomness: ``torch.func.vmap``'s ``randomness``, as in ``to_jax``:
+        ``"error"`` (default, as in torch.func) refuses random ops under ``jax.vmap``, whose
+        draws would differ from a loop over the examples; ``"different"`` lets dropout
+        draw independently per example, ``"same"`` shares one draw.
       grad_method: ``"torch.func"`` (default) or ``"autograd"``, as in ``to_jax``.
       result_shape_dtypes: the forward's output types, as in ``to_jax``: a pytree of
         ``jax.ShapeDtypeStruct``, or a callable taking forward's inputs (not the

@@ -5,10 +5,10 @@
 # cannot be registered directly. Here `bind` flattens every positional argument, sends the
 # array leaves to the underlying `jax.core.Primitive` as operands, and carries the tree
 # structure and every non-array leaf as static params. Each registered rule is wrapped in
-# a flat adapter that rebuilds the pytrees before calling the rule and flattens what it
-# returns. The output structure and avals are found once per signature by the abstract
-# eval rule and travel as params too, so the flat adapters can unflatten outputs and check
-# them.
+# a flat adapter (_adapters.py) that rebuilds the pytrees before calling the rule and
+# flattens what it returns. The output structure and avals are found once per signature by
+# the abstract eval rule and travel as params too, so the adapters can unflatten outputs
+# and check them.
 #
 # This module imports jax only: it knows nothing of torch.
 from __future__ import annotations
@@ -19,28 +19,32 @@ from typing import Any
 
 import jax
 
-from torchjax._compat import ad, batching, core, dispatch, mlir, varying_manual_axes
-from torchjax._compat import jax_config as config
+from torchjax._compat._jax import (
+    ad,
+    at_top_level,
+    batching,
+    core,
+    mlir,
+    varying_manual_axes,
+)
+from torchjax._compat._jax import jax_config as config
 from torchjax._errors import OutputMismatchError, RuleError
-from torchjax._primitive._adapters import flat_batching, flat_jvp, flat_transpose
+from torchjax._primitive import _adapters
 from torchjax._primitive._params import (
-    _ARRAY,
-    _OPERAND_TYPES,
+    ARRAY,
+    OPERAND_TYPES,
     BoundParams,
     Linear,
     Signature,
     StaticLeaves,
-    Untyped,
-    _arg_path,
-    _at_top_level,
-    _check_hashable,
-    _eager_type,
-    _flatten_checked,
-    _is_operand,
-    _out_aval,
-    _path_str,
-    _rebuild,
-    _store,
+    arg_path,
+    check_hashable,
+    eager_type,
+    is_operand,
+    out_aval,
+    path_str,
+    rebuild,
+    store,
 )
 
 _tree = jax.tree_util
@@ -111,23 +115,20 @@ class PytreePrimitive:
         self._impl_rule: Callable | None = None
         self._lowering_rule: Callable | None = None
         self._impl_signature = self._lowering_signature = False
-        self._flat_impl_rule: Callable | None = None
-        self._eager_fallback_rule: Callable | None = None
-        self._untyped_first: Callable | None = None
-        self._params_cache: dict[tuple, BoundParams] = {}
-        self._params_home: Callable | None = None
         self._batching_rule: Callable | None = None
         self._jvp_rule: Callable | None = None
         self._transpose_rule: Callable | None = None
+        self._params: dict[tuple, BoundParams] = {}
 
         prim = core.Primitive(name)
         prim.multiple_results = True
-        prim.def_abstract_eval(self._flat_abstract_eval)
-        prim.def_impl(self._flat_impl)
-        mlir.register_lowering(prim, mlir.lower_fun(self._flat_lowering, multiple_results=True))
-        batching.primitive_batchers[prim] = functools.partial(flat_batching, self)
-        ad.primitive_jvps[prim] = functools.partial(flat_jvp, self)
-        ad.primitive_transposes[prim] = functools.partial(flat_transpose, self)
+        prim.def_abstract_eval(functools.partial(_adapters.flat_abstract_eval, self))
+        prim.def_impl(functools.partial(_adapters.flat_impl, self))
+        lowering = functools.partial(_adapters.flat_lowering, self)
+        mlir.register_lowering(prim, mlir.lower_fun(lowering, multiple_results=True))
+        batching.primitive_batchers[prim] = functools.partial(_adapters.flat_batching, self)
+        ad.primitive_jvps[prim] = functools.partial(_adapters.flat_jvp, self)
+        ad.primitive_transposes[prim] = functools.partial(_adapters.flat_transpose, self)
         self.primitive = prim
 
     def __repr__(self) -> str:
@@ -136,7 +137,7 @@ class PytreePrimitive:
     # -- rule registration -------------------------------------------------------------
     def def_abstract_eval(self, rule: Callable) -> Callable:
         self._abstract_eval_rule = rule
-        self._params_cache.clear()  # and with it the signatures found by the old rule
+        self._params.clear()  # and with it the signatures found by the old rule
         return rule
 
     def def_impl(self, rule: Callable | None = None, *, signature: bool = False) -> Any:
@@ -147,49 +148,6 @@ class PytreePrimitive:
         if rule is None:
             return functools.partial(self.def_impl, signature=signature)
         self._impl_rule, self._impl_signature = rule, signature
-        return rule
-
-    def _def_flat_impl(self, rule: Callable) -> Callable:
-        """Register an eager impl that works on the flat operands (private: torch_call's).
-
-        ``rule(operands, *, in_tree, statics, signature, params)`` returns the flat output
-        list and guarantees it matches ``signature``: it is not checked again. Eager calls
-        then skip rebuilding the argument pytrees and re-flattening the outputs.
-        """
-        self._flat_impl_rule = rule
-        return rule
-
-    def _def_eager_fallback(self, rule: Callable) -> Callable:
-        """Register what an eager call does when abstract_eval fails (private: torch_call's).
-
-        ``rule(error, operands, *, in_tree, statics, params, memo)`` returns the output
-        pytree computed from the concrete operands, or raises (`error` itself where it does
-        not apply). ``memo`` is a dict that lives as long as the signature. Once the rule has
-        returned for a signature, later eager calls of that signature skip abstract_eval and
-        call it with ``error=None`` and the same memo. Traced calls still need types: the
-        error stands there.
-        """
-        self._eager_fallback_rule = rule
-        return rule
-
-    def _def_untyped_first(self, rule: Callable) -> Callable:
-        """Register which eager calls skip abstract_eval (private: torch_call's).
-
-        ``rule(params)`` says whether an eager call with bind's keyword `params` goes
-        straight to the eager fallback rule (with ``error=None``), whose real run gives the
-        types: the user's torch function needs no fake run when there is real data.
-        """
-        self._untyped_first = rule
-        return rule
-
-    def _def_params_home(self, rule: Callable) -> Callable:
-        """Register where bound params live (private: torch_call's).
-
-        ``rule(params)`` returns the dict that keeps the `BoundParams` (and with them the
-        signature caches) of bind's keyword `params`, instead of the primitive's global
-        cache: a dict owned by one of the params dies with it.
-        """
-        self._params_home = rule
         return rule
 
     def def_lowering(self, rule: Callable | None = None, *, signature: bool = False) -> Any:
@@ -226,28 +184,28 @@ class PytreePrimitive:
         """bind's keyword params, sorted and checked once; callers that bind the same
         params on every call (to_jax's wrapper) keep the result and call _bind."""
         items = tuple(sorted(params.items()))
-        home = self._params_cache if self._params_home is None else self._params_home(params)
+        home = self._params_home(params)
         try:
             bound = home.get(items)
         except TypeError:
             for name, value in items:
-                _check_hashable(value, f"{self.name}.bind keyword param {name!r}")
+                check_hashable(value, f"{self.name}.bind keyword param {name!r}")
             raise
         if bound is None:
             bound = BoundParams(items)
-            _store(home, items, bound)
+            store(home, items, bound)
         return bound
 
     def _signature(self, bound: BoundParams, in_tree, statics, avals) -> Signature:
         """The output signature of a call, found by abstract_eval once and kept in `bound`."""
         key = (in_tree, statics, avals, _x64.value)
-        signature = bound.signatures.get(key)
-        if signature is None:
-            signature = self._out_signature(in_tree, statics, avals, bound.items)
-            _store(bound.signatures, key, signature)
-        return signature
+        found = bound.signatures.get(key)
+        if found is None:
+            found = self._out_signature(in_tree, statics, avals, bound.items)
+            store(bound.signatures, key, found)
+        return found
 
-    def _signature_cache(self, in_tree, statics, avals, user_params) -> Signature:
+    def _traced_signature(self, in_tree, statics, avals, user_params) -> Signature:
         """The signature param of a traced call with keyword params `user_params`."""
         bound = self._bound_params(dict(user_params))
         return self._signature(bound, in_tree, statics, avals).traced
@@ -257,46 +215,20 @@ class PytreePrimitive:
         operands = []
         statics = []
         for leaf in leaves:
-            if isinstance(leaf, _OPERAND_TYPES):
+            if isinstance(leaf, OPERAND_TYPES):
                 operands.append(leaf)
-                statics.append(_ARRAY)
+                statics.append(ARRAY)
             else:
                 statics.append(leaf)
         # Type-strict (1, 1.0 and True differ) where there are static leaves at all.
         statics_t = StaticLeaves(statics) if len(operands) != len(leaves) else tuple(statics)
-        user_params = bound.items
         try:
             hash(statics_t)
         except TypeError:
             self._raise_unhashable(args)
         traced = any(isinstance(x, core.Tracer) for x in operands)
-        has_impl = self._impl_rule is not None or self._flat_impl_rule is not None
-        if not traced and has_impl and _at_top_level():
-            # Eager: what core.bind would do here, minus its trace dispatch, with the
-            # signature found from plain shapes and dtypes (cheaper than avals to hash).
-            key = (in_tree, statics_t, _x64.value, *[_eager_type(x) for x in operands])
-            signature = bound.eager_signatures.get(key)
-            if signature is None:
-                signature = self._eager_signature(bound, key, in_tree, statics_t, operands)
-                if type(signature) is tuple:  # (Untyped, the first call's outputs)
-                    return signature[1]
-            if type(signature) is Untyped:
-                return self._eager_fallback_rule(
-                    None,
-                    operands,
-                    in_tree=in_tree,
-                    statics=statics_t,
-                    params=user_params,
-                    memo=signature.memo,
-                )
-            out_flat = self._flat_impl(
-                *operands,
-                in_tree=in_tree,
-                statics=statics_t,
-                signature=signature,
-                params=user_params,
-            )
-            return _tree.tree_unflatten(signature.out_tree, out_flat)
+        if not traced and self._has_impl() and at_top_level():
+            return self._bind_eager(operands, in_tree, statics_t, bound)
         if traced:
             # Inside shard_map, operands that vary over different manual mesh axes are cast
             # to vary over all of them (as JAX's own primitives do), so outputs vary over
@@ -309,39 +241,9 @@ class PytreePrimitive:
             in_tree=in_tree,
             statics=statics_t,
             signature=signature,
-            params=user_params,
+            params=bound.items,
         )
         return _tree.tree_unflatten(signature.out_tree, out_flat)
-
-    def _eager_signature(self, bound, key, in_tree, statics, operands) -> Any:
-        """The signature of a new eager call: found by abstract_eval, or, where there is an
-        eager fallback rule and abstract_eval fails (or is skipped, see
-        _def_untyped_first), `(Untyped, outputs)`: the fallback computed this first call."""
-        user_params = bound.items
-        error = None
-        first = self._untyped_first
-        if first is None or not first(user_params):
-            avals = tuple(core.typeof(x) for x in operands)
-            try:
-                signature = self._signature(bound, in_tree, statics, avals)
-            except Exception as e:
-                if self._eager_fallback_rule is None:
-                    raise
-                error = e
-            else:
-                _store(bound.eager_signatures, key, signature)
-                return signature
-        untyped = Untyped()
-        out = self._eager_fallback_rule(
-            error,
-            operands,
-            in_tree=in_tree,
-            statics=statics,
-            params=user_params,
-            memo=untyped.memo,
-        )
-        _store(bound.eager_signatures, key, untyped)
-        return untyped, out
 
     def abstract_eval(self, *args: Any, **params: Any) -> Any:
         """The output types of ``bind(*args, **params)``: a pytree of ShapeDtypeStruct.
@@ -352,29 +254,29 @@ class PytreePrimitive:
         leaves, in_tree = _tree.tree_flatten(args)
         avals, statics = [], []
         for leaf in leaves:
-            if _is_operand(leaf) or isinstance(leaf, core.ShapedArray):
-                avals.append(core.typeof(leaf) if _is_operand(leaf) else leaf)
-                statics.append(_ARRAY)
+            if is_operand(leaf) or isinstance(leaf, core.ShapedArray):
+                avals.append(core.typeof(leaf) if is_operand(leaf) else leaf)
+                statics.append(ARRAY)
             elif isinstance(leaf, jax.ShapeDtypeStruct):
                 # A type (a derived function's, say): the same signature as an array of it.
                 avals.append(core.ShapedArray(leaf.shape, leaf.dtype))
-                statics.append(_ARRAY)
+                statics.append(ARRAY)
             else:
                 statics.append(leaf)
         has_statics = len(avals) != len(statics)
         statics_t = StaticLeaves(statics) if has_statics else tuple(statics)
-        signature = self._signature(self._bound_params(params), in_tree, statics_t, tuple(avals))
-        return signature.out_types
+        found = self._signature(self._bound_params(params), in_tree, statics_t, tuple(avals))
+        return found.out_types
 
     def _raise_unhashable(self, args: tuple) -> None:
         for path, leaf in _tree.tree_flatten_with_path(args)[0]:
-            if not _is_operand(leaf):
-                _check_hashable(leaf, f"{self.name}: static leaf {_arg_path(path)}")
+            if not is_operand(leaf):
+                check_hashable(leaf, f"{self.name}: static leaf {arg_path(path)}")
 
     def _out_signature(self, in_tree, statics, avals, user_params):
         if self._abstract_eval_rule is None:
             raise self._missing("abstract_eval", "every bind")
-        args = _rebuild(in_tree, statics, avals)
+        args = rebuild(in_tree, statics, avals)
         out = self._abstract_eval_rule(*args, **dict(user_params))
         leaves, out_tree = _tree.tree_flatten(out)
         # bind made the operands' varying manual axes agree: any one of them speaks for all.
@@ -383,49 +285,41 @@ class PytreePrimitive:
             if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
                 raise OutputMismatchError(
                     f"{self.name}: abstract_eval returned {type(leaf).__name__} at "
-                    f"{_path_str('out', path)}; every leaf must be a jax.ShapeDtypeStruct."
+                    f"{path_str('out', path)}; every leaf must be a jax.ShapeDtypeStruct."
                 )
-        return Signature(out_tree, tuple(_out_aval(leaf, manual) for leaf in leaves))
+        return Signature(out_tree, tuple(out_aval(leaf, manual) for leaf in leaves))
 
-    # -- flat adapters -----------------------------------------------------------------
-    # The underlying primitive's params: in_tree and statics (bind's args, operands
-    # replaced by _ARRAY), signature (the outputs), params (bind's keyword params).
-    def _flat_abstract_eval(self, *avals, signature, **_):
-        return list(signature.out_avals)
+    # -- subclassing ---------------------------------------------------------------------
+    # A subclass (torch_call_p's TorchCallPrimitive) may override the methods below, and
+    # use _bind(args, bound) with _bound_params(params) kept from an earlier call (bind
+    # without sorting and checking the params again), _signature and _traced_signature.
+    def _params_home(self, params: dict) -> dict:
+        """The dict that keeps the `BoundParams` (and with them the signature caches) of
+        bind's keyword `params`: the primitive's own, unless a subclass keeps them with one
+        of the params (so that they die with it)."""
+        return self._params
 
-    def _flat_impl(self, *operands, in_tree, statics, signature, params):
-        if self._flat_impl_rule is not None:
-            return self._flat_impl_rule(
-                operands, in_tree=in_tree, statics=statics, signature=signature, params=params
-            )
-        if self._impl_rule is None:
-            if self._lowering_rule is None:
-                raise self._missing("impl", "eager evaluation")
-            return dispatch.apply_primitive(
-                self.primitive,
-                *operands,
-                in_tree=in_tree,
-                statics=statics,
-                signature=signature,
-                params=params,
-            )
-        args = _rebuild(in_tree, statics, operands)
-        kwargs = dict(params)
-        if self._impl_signature:
-            kwargs["signature"] = signature
-        out = self._impl_rule(*args, **kwargs)
-        return _flatten_checked(self.name, out, signature.out_tree, signature.out_avals, "impl")
+    def _has_impl(self) -> bool:
+        """Whether eager calls have an impl to run (else they dispatch through JAX)."""
+        return self._impl_rule is not None
 
-    def _flat_lowering(self, *operands, in_tree, statics, signature, params):
-        if self._lowering_rule is not None:
-            rule, with_signature = self._lowering_rule, self._lowering_signature
-        elif self._impl_rule is not None:
-            rule, with_signature = self._impl_rule, self._impl_signature
-        else:
-            raise self._missing("lowering", "jax.jit")
-        args = _rebuild(in_tree, statics, operands)
-        kwargs = dict(params)
-        if with_signature:
-            kwargs["signature"] = signature
-        out = rule(*args, **kwargs)
-        return _flatten_checked(self.name, out, signature.out_tree, signature.out_avals, "lowering")
+    def _bind_eager(self, operands: list, in_tree, statics: tuple, bound: BoundParams) -> Any:
+        """An eager call (no trace active, no tracer among the operands): what core.bind
+        would do here, minus its trace dispatch, with the signature found from plain shapes
+        and dtypes (cheaper than avals to hash). Returns the output pytree."""
+        key = (in_tree, statics, _x64.value, *[eager_type(x) for x in operands])
+        signature = bound.eager_signatures.get(key)
+        if signature is None:
+            avals = tuple(core.typeof(x) for x in operands)
+            signature = self._signature(bound, in_tree, statics, avals)
+            store(bound.eager_signatures, key, signature)
+        out_flat = self._flat_impl(
+            operands, in_tree=in_tree, statics=statics, signature=signature, params=bound.items
+        )
+        return _tree.tree_unflatten(signature.out_tree, out_flat)
+
+    def _flat_impl(self, operands, *, in_tree, statics, signature, params) -> list:
+        """The eager impl on flat operands: the output leaves, checked against `signature`.
+        By default the pytrees are rebuilt for the impl rule (or, without one, the call is
+        compiled from the lowering); a subclass may compute on the flat operands."""
+        return _adapters.impl_on_pytrees(self, operands, in_tree, statics, signature, params)

@@ -9,20 +9,20 @@ from typing import Any
 import jax
 import numpy as np
 
-from torchjax._compat import ARRAY_TYPES, at_top_level, core, manual_axes_of
+from torchjax._compat._jax import ARRAY_TYPES, core, manual_axes_of
 from torchjax._errors import OutputMismatchError, StaticArgumentError
 
 _tree = jax.tree_util
 
 
-class _ArrayLeaf:
+class ArrayLeaf:
     """Placeholder for an operand's position among the static leaves (a singleton)."""
 
     def __repr__(self) -> str:
         return "<array>"
 
 
-_ARRAY = _ArrayLeaf()
+ARRAY = ArrayLeaf()
 
 
 class Linear:
@@ -103,21 +103,11 @@ class Signature:
         return f"Signature({self.out_tree}, {[a.str_short() for a in self.out_avals]})"
 
 
-_OPERAND_TYPES = ARRAY_TYPES  # a tuple: isinstance's fastest form
+OPERAND_TYPES = ARRAY_TYPES  # a tuple: isinstance's fastest form
 
 
-def _is_operand(x: Any) -> bool:
-    return isinstance(x, _OPERAND_TYPES)
-
-
-class Untyped:
-    """An eager signature whose output types abstract_eval could not find: the eager
-    fallback rule computes its calls, keeping per-signature work in ``memo``."""
-
-    __slots__ = ("memo",)
-
-    def __init__(self) -> None:
-        self.memo: dict = {}
+def is_operand(x: Any) -> bool:
+    return isinstance(x, OPERAND_TYPES)
 
 
 class BoundParams:
@@ -131,17 +121,17 @@ class BoundParams:
 
     def __init__(self, items: tuple):
         self.items = items
-        self.eager_signatures: dict[tuple, Signature | Untyped] = {}
+        self.eager_signatures: dict[tuple, Any] = {}  # Signature, or a subclass's own
         self.signatures: dict[tuple, Signature] = {}
 
 
-def _store(cache: dict, key: Any, value: Any) -> None:
+def store(cache: dict, key: Any, value: Any) -> None:
     if len(cache) >= 4096:  # a bound for pathological callers: every call a new signature
         cache.clear()
     cache[key] = value
 
 
-def _same_static(a: Any, b: Any) -> bool:
+def same_static(a: Any, b: Any) -> bool:
     """Static leaves as jax.jit compares static arguments, type included: 1, 1.0 and True
     differ, though Python's == (and hash) identify them; floats also by sign (-0.0 is not
     0.0: torch.full((2,), -0.0) differs from torch.full((2,), 0.0))."""
@@ -155,8 +145,8 @@ def _same_static(a: Any, b: Any) -> bool:
 
 
 class StaticLeaves(tuple):
-    """A signature's static leaves (operands replaced by `_ARRAY`), compared leaf by leaf
-    with `_same_static`: in the eager and abstract-eval caches and in the primitive's
+    """A signature's static leaves (operands replaced by `ARRAY`), compared leaf by leaf
+    with `same_static`: in the eager and abstract-eval caches and in the primitive's
     params, which JAX's own caches compare with ==."""
 
     __slots__ = ()
@@ -165,7 +155,7 @@ class StaticLeaves(tuple):
         return (
             isinstance(other, tuple)
             and len(self) == len(other)
-            and all(map(_same_static, self, other))
+            and all(map(same_static, self, other))
         )
 
     def __ne__(self, other: object) -> bool:
@@ -174,16 +164,16 @@ class StaticLeaves(tuple):
     __hash__ = tuple.__hash__
 
 
-def _path_str(prefix: str, path: tuple) -> str:
+def path_str(prefix: str, path: tuple) -> str:
     return prefix + _tree.keystr(path)
 
 
-def _arg_path(path: tuple) -> str:
+def arg_path(path: tuple) -> str:
     # Paths of bind's positional args read as `args[0]['a']`.
     return "args" + _tree.keystr(path)
 
 
-def _check_hashable(value: Any, where: str) -> None:
+def check_hashable(value: Any, where: str) -> None:
     try:
         hash(value)
     except TypeError:
@@ -194,7 +184,7 @@ def _check_hashable(value: Any, where: str) -> None:
         ) from None
 
 
-def _out_aval(leaf: Any, manual: core.ShapedArray | None) -> core.ShapedArray:
+def out_aval(leaf: Any, manual: core.ShapedArray | None) -> core.ShapedArray:
     """An output aval; inside shard_map it varies over the manual axes its inputs do."""
     shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
     if manual is None:
@@ -203,7 +193,7 @@ def _out_aval(leaf: Any, manual: core.ShapedArray | None) -> core.ShapedArray:
     return core.ShapedArray(shape, dtype, sharding=sharding, **manual_axes_of(manual))
 
 
-def _flatten_checked(name: str, out: Any, out_tree: Any, out_avals: tuple, rule: str) -> list:
+def flatten_checked(name: str, out: Any, out_tree: Any, out_avals: tuple, rule: str) -> list:
     """A rule's output flattened, after checking it against what abstract_eval declared."""
     leaves, tree = _tree.tree_flatten(out)
     if tree != out_tree:
@@ -219,37 +209,32 @@ def _flatten_checked(name: str, out: Any, out_tree: Any, out_avals: tuple, rule:
                 paths = [p for p, _ in _tree.tree_flatten_with_path(out)[0]]
             got = f"{type(leaf).__name__}" if shape is None else f"{dtype}{list(shape)}"
             raise OutputMismatchError(
-                f"{name}: the {rule} rule returned {got} at {_path_str('out', paths[i])}, but "
+                f"{name}: the {rule} rule returned {got} at {path_str('out', paths[i])}, but "
                 f"abstract_eval declared {aval.str_short()}. Make the rule and abstract_eval "
                 f"agree."
             )
     return leaves
 
 
-def _eager_type(x: Any) -> tuple:
+def eager_type(x: Any) -> tuple:
     return (x.shape, x.dtype, getattr(x, "weak_type", False))
 
 
-def _at_top_level() -> bool:
-    """Whether no JAX transformation or trace is active (binding would just evaluate)."""
-    return at_top_level()
-
-
-def _rebuild(in_tree, statics: tuple, operands, fill: Any = _ARRAY) -> tuple:
+def rebuild(in_tree, statics: tuple, operands, fill: Any = ARRAY) -> tuple:
     """Bind's positional args, with `operands` at the array positions.
 
     With `fill` given, static positions get `fill` instead of their value (used to build
     the batch-axes and tangent trees, which hold None at static leaves).
     """
     it = iter(operands)
-    if fill is _ARRAY:
-        leaves = [next(it) if s is _ARRAY else s for s in statics]
+    if fill is ARRAY:
+        leaves = [next(it) if s is ARRAY else s for s in statics]
     else:
-        leaves = [next(it) if s is _ARRAY else fill for s in statics]
+        leaves = [next(it) if s is ARRAY else fill for s in statics]
     return _tree.tree_unflatten(in_tree, leaves)
 
 
-def _broadcast_prefix(value: Any, tree, rule: str, name: str, what: str) -> list:
+def broadcast_prefix(value: Any, tree, rule: str, name: str, what: str) -> list:
     """Flatten `value` (an int/None/array per leaf of `tree`, or one for all) to a list."""
     if value is None or isinstance(value, int):
         return [value] * tree.num_leaves

@@ -15,15 +15,15 @@ from typing import Any
 import jax
 import torch
 
-from torchjax._compat import is_fake, is_zerotensor, set_grad_enabled, tensor_version
+from torchjax._compat._messages import is_write_refusal, runs_autograd_itself
+from torchjax._compat._torch import is_fake, is_zerotensor, set_grad_enabled, tensor_version
 from torchjax._convert import canonical_torch_dtype, check_has_data, tensor_to_jax, torch_dtype
 from torchjax._errors import ConversionError, OutputMismatchError, TorchJaxError
-from torchjax._primitive._params import _ARRAY
+from torchjax._primitive._params import ARRAY, is_operand
 from torchjax._to_jax._guard import (
     check_versions,
     inplace_error,
-    is_private,
-    is_refusal,
+    owns_memory_alone,
     refuse_writes,
     same_bytes,
 )
@@ -37,11 +37,6 @@ _WROTE = (
     "argument; torch refused it, and the caller's array is unchanged"
 )
 _ON_COPY = "an in-place op, seen on the copy this function runs on"
-
-
-# torch.func's refusal of a function that runs torch.autograd itself (x.requires_grad_() to
-# take forces from an energy, a gradient penalty, torch.autograd.functional).
-_AUTOGRAD_INSIDE = "inside of a function being transformed by a functorch transform"
 
 
 class _AutogradInside(threading.local):
@@ -58,11 +53,6 @@ def autograd_inside() -> bool:
     return _autograd.depth > 0
 
 
-def runs_autograd_itself(error: BaseException) -> bool:
-    """Whether torch.func refused a function because it runs torch.autograd itself."""
-    return _AUTOGRAD_INSIDE in str(error)
-
-
 @functools.lru_cache(maxsize=1024)
 def leaf_paths(tree: Any) -> list[tuple]:
     """The key path of every leaf of a treedef, in flattening order (for messages)."""
@@ -75,7 +65,7 @@ class CallPlan:
 
     Args:
       fn: the torch callable (UserFunction or a DerivedFunction).
-      in_tree, template: the argument structure and its leaves, `_ARRAY` where a tensor goes.
+      in_tree, template: the argument structure and its leaves, `ARRAY` where a tensor goes.
       structs, out_tree: the declared or inferred outputs (out_tree None: not yet known).
       flat_fn: the user's own function, to call directly when the call is ``fn(x, y)``
         (or through its ``flat_form``, where it has one).
@@ -89,7 +79,7 @@ class CallPlan:
         self.grad_mode = fn.grad_mode
         self.in_tree, self.out_tree = in_tree, out_tree
         self.template = list(template)
-        self.positions = [i for i, x in enumerate(template) if x is _ARRAY]
+        self.positions = [i for i, x in enumerate(template) if x is ARRAY]
         self.structs = structs
         self.out_dtypes = [torch_dtype(s.dtype) for s in structs]
         self.out_shapes = [tuple(s.shape) for s in structs]
@@ -153,7 +143,7 @@ class CallPlan:
         except TorchJaxError:
             raise
         except Exception as e:
-            if not is_refusal(e):
+            if not is_write_refusal(e):
                 self._raise_failure(e)
             refused = True  # handled below, outside this except: no chained traceback
         finally:
@@ -229,7 +219,7 @@ class CallPlan:
                 if not strict:
                     return None, [out]
                 self._raise_structure(got_tree)
-        del out  # the outputs' only references are now in `results` (see is_private)
+        del out  # the outputs' only references are now in `results` (see owns_memory_alone)
         if self.grad_mode:
             results = [plain(v) for v in results]
         for k in range(len(results)):
@@ -366,10 +356,27 @@ def to_jax_outputs(results: list, paths: list, device: Any = None) -> list:
     for k in range(len(results)):
         value = results[k]
         try:
-            if not is_private(value, 2):  # our references: the list's and `value`
+            if not owns_memory_alone(value, 2):  # our references: the list's and `value`
                 value = value.clone(memory_format=torch.contiguous_format)
         except RuntimeError:
             check_has_data(value, paths[k])  # a sparse or meta tensor: say so
             raise
         outs.append(tensor_to_jax(value, paths[k], device))
     return outs
+
+
+def plan_for(fn: Any, in_tree: Any, template: tuple, structs: tuple, out_tree: Any) -> CallPlan:
+    """The plan of one signature of `fn` (its output types `structs`/`out_tree`, or
+    ``(), None`` where not yet known); the user's own function is called directly."""
+    flat_fn = fn.fn if fn is fn.root else None
+    return CallPlan(fn, in_tree, template, structs, out_tree, flat_fn)
+
+
+def plan_parts(args: tuple, out_types: Any) -> tuple:
+    """(operands, in_tree, template, structs, out_tree) of a call of `args` with these
+    output types: plan_for's arguments after the operands."""
+    leaves, in_tree = _tree.tree_flatten(args)
+    operands = [x for x in leaves if is_operand(x)]
+    template = tuple(ARRAY if is_operand(x) else x for x in leaves)
+    structs, out_tree = _tree.tree_flatten(out_types)
+    return operands, in_tree, template, tuple(structs), out_tree

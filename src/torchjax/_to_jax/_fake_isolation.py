@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from torchjax._compat import is_fake, module_buffers, module_children, module_parameters
+from torchjax._compat._torch import is_fake, module_buffers, module_children, module_parameters
 from torchjax._errors import ShapeInferenceError
 
 # Entries every nn.Module has in its __dict__ (hook tables, flags): torch's bookkeeping,

@@ -14,8 +14,7 @@ import jax
 import numpy as np
 import torch
 
-from torchjax._compat import (
-    FAKE_LIMIT_ERRORS,
+from torchjax._compat._torch import (
     FakeTensorMode,
     compiled_function_original,
     tensor_version,
@@ -42,22 +41,6 @@ class _FakeDepth(threading.local):
 # inside one (a wrapped function calling another on concrete JAX arrays) runs for real, so
 # it leaves the fake mode while it does (see real_mode()).
 fake_runs = _FakeDepth()
-
-# Exceptions that are the fake-tensor machinery's, not the function's: a real run of the
-# same function on real data can succeed. Anything else a fake run raises is the user's own.
-_FAKE_LIMITS = FAKE_LIMIT_ERRORS
-_FAKE_MESSAGES = (
-    "data-dependent",
-    "data dependent",
-    "doesn't have storage",
-    "data is not allocated",
-    "fake tensor",
-    "faketensor",
-    "meta tensor",
-    "on meta",
-    "tensor subclass",
-    "GuardOnDataDependentSymNode",
-)
 
 
 def function_name(fn: Any) -> str:
@@ -112,15 +95,6 @@ def _is_hf_cache(leaf: Any) -> bool:
         c.__name__.endswith("Cache") and c.__module__.startswith("transformers.")
         for c in type(leaf).__mro__
     )
-
-
-def is_fake_limit(error: BaseException) -> bool:
-    """Whether a fake run failed for the fake machinery's reason (data-dependent shapes or
-    control flow, kernels without fake support), not because the function itself raised."""
-    if isinstance(error, _FAKE_LIMITS):
-        return True
-    text = f"{type(error).__name__} {error}".lower()
-    return any(m.lower() in text for m in _FAKE_MESSAGES)
 
 
 def real_mode() -> Any:

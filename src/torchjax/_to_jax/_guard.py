@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from torchjax._compat import (
+from torchjax._compat._torch import (
     TorchDispatchMode,
     is_view,
     op_schema,
@@ -35,6 +35,7 @@ from torchjax._compat import (
     storage_cdata,
     storage_id,
     storage_use_count,
+    swap_storage_data,
     tensor_base,
     tensor_use_count,
     tensor_version,
@@ -64,8 +65,6 @@ _KEPT_MESSAGE = (
     "call returns. Keep a copy instead: `self.cache = x.clone()`."
 )
 
-# The message of torch's refusal to hand out a writable pointer to a marked storage.
-_REFUSED = "Cannot access data pointer of Tensor"
 
 _storage_use_count = storage_use_count
 _sid = storage_id  # a tensor's storage, without making a Python object of it
@@ -145,18 +144,6 @@ class WriteGuard(TorchDispatchMode):
 refuse_writes = set_throw_on_mutable_data_ptr
 
 
-def is_refusal(error: BaseException) -> bool:
-    """Whether `error` (or one it was raised from) is a protected storage refusing a
-    writable pointer: an attempted write, or a reader that asked for write access."""
-    seen = 0
-    while error is not None and seen < 8:
-        if isinstance(error, RuntimeError) and _REFUSED in str(error):
-            return True
-        error = error.__cause__ or error.__context__
-        seen += 1
-    return False
-
-
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one shape, dtype and layout hold the same bits."""
     if a.numel() == 0:
@@ -164,7 +151,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-def is_private(t: torch.Tensor, refs: int) -> bool:
+def owns_memory_alone(t: torch.Tensor, refs: int) -> bool:
     """Whether nothing but `t` reaches t's memory, so that it may become a JAX array as is.
 
     `refs` is the number of Python references the caller itself holds to `t` (a list
@@ -191,7 +178,7 @@ def is_private(t: torch.Tensor, refs: int) -> bool:
     return tensor_use_count(base) == 2 and _getrefcount(base) == 3
 
 
-def release(tensors: list) -> None:
+def copy_kept_inputs(tensors: list) -> None:
     """Give an input the function kept a reference to a copy of its memory.
 
     Under jit the inputs are XLA's buffers, valid only during the call; a tensor, view or
@@ -212,7 +199,6 @@ def release(tensors: list) -> None:
                 continue
         else:
             storage = t.untyped_storage()
-        swap = getattr(storage, "_swap_data_ptr_", None)
-        if swap is None:  # pragma: no cover - a torch without it
+        # The clone then holds XLA's buffer, and lets go of it.
+        if not swap_storage_data(storage, storage.clone()):  # pragma: no cover - older torch
             raise TorchJaxError(_KEPT_MESSAGE)
-        swap(storage.clone())  # the clone now holds XLA's buffer, and lets go of it

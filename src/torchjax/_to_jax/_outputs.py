@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import torch
 
-from torchjax._compat import is_structseq_class, torch_pytree
+from torchjax._compat._torch import is_structseq_class, torch_pytree
 
 _tree = jax.tree_util
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from torchjax._compat import DisableFuncTorch, is_view, storage_id, tensor_use_count
+from torchjax._compat._torch import DisableFuncTorch, is_view, storage_id, tensor_use_count
 
 _getrefcount = sys.getrefcount
 
@@ -88,6 +88,31 @@ class KeptGraph:
         for h in self.held:
             h.reinstall(self)
 
+    def backward(self, inputs: list[torch.Tensor], out_mask: tuple, cotangents: tuple) -> tuple:
+        """The cotangents of the leaves from this kept forward, by torch.autograd.grad; frees
+        the graph. `inputs` are the VJP's own, the same values as the forward's: saved views
+        of inputs and emptied leaves are refilled from them, and what the forward left held
+        is put back for the backward to read."""
+        self.inputs = inputs
+        self.refill_leaves()
+        outs = [o for o, m in zip(self.outputs, out_mask, strict=True) if m]
+        pairs = [(o, c) for o, c in zip(outs, cotangents, strict=True) if o is not None]
+        pairs = [(o, c) for o, c in pairs if o.requires_grad]  # others do not depend on leaves
+        self.reinstall_held()
+        try:
+            if not pairs:
+                return tuple(torch.zeros_like(x) for x in self.leaves)
+            return torch.autograd.grad(
+                [o for o, _ in pairs],
+                self.leaves,
+                [c for _, c in pairs],
+                allow_unused=True,
+                materialize_grads=True,
+            )
+        finally:
+            self.release_held()
+            self.inputs = self.outputs = self.leaves = []
+
     def release_held(self) -> None:
         held, self.held = self.held, []
         for h in held:
@@ -102,7 +127,7 @@ class KeptGraph:
         """Empty the leaves, which share the memory of `inputs`, until the VJP refills them.
 
         Under jit an input is XLA's buffer for this call only: a leaf the graph keeps alive
-        would make the call copy it (_guard.release), a copy of every parameter per
+        would make the call copy it (_guard.copy_kept_inputs), a copy of every parameter per
         training step. Only the graph needs the leaves (saved views of inputs are rebuilt
         from the VJP's inputs anyway), and the VJP gets the same inputs again. A leaf
         anything else holds (returned, cached by the function) is left as it is.

@@ -1,4 +1,5 @@
-# Lowering a torch call under jax.jit: a host callback that runs torch on XLA's buffers.
+# torch_call's lowering rule: under jax.jit, a host callback that runs torch on XLA's
+# buffers.
 #
 # jax.experimental.buffer_callback hands the callback XLA's own input and output buffers.
 # Inputs are wrapped zero-copy with DLPack; torch computes the outputs and each is copied
@@ -18,9 +19,9 @@ import jax
 import numpy as np
 import torch
 
-from torchjax._compat import storage_id as _storage_id
-from torchjax._compat import storage_use_count as _uses
-from torchjax._compat import tensor_use_count
+from torchjax._compat._torch import storage_id as _storage_id
+from torchjax._compat._torch import storage_use_count as _uses
+from torchjax._compat._torch import tensor_use_count
 from torchjax._convert import (
     _tensor_from_capsule,
     array_to_tensor,
@@ -28,7 +29,8 @@ from torchjax._convert import (
     narrow_checked,
     torch_dtype,
 )
-from torchjax._to_jax._guard import release
+from torchjax._to_jax._call_plan import plan_for, plan_parts
+from torchjax._to_jax._guard import copy_kept_inputs
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -105,8 +107,8 @@ def callback_call(
         # before XLA reuses the buffer; the common case (none kept) inlined.
         for t in tensors:
             if _refs(t) != 3 or tensor_use_count(t) != 1 or _uses(_storage_id(t)) != 1:
-                del t  # release counts the references to each input
-                release(tensors)
+                del t  # copy_kept_inputs counts the references to each input
+                copy_kept_inputs(tensors)
                 break
 
     return buffer_callback(host, list(out_structs))(*operands)
@@ -115,7 +117,7 @@ def callback_call(
 def _run_into(run: Run, ins: Sequence, outs: Sequence, out_paths: Sequence[str], wrap) -> None:
     tensors = [wrap(b) for b in ins]
     _write_all(run(tensors), outs, out_paths, wrap)
-    release(tensors)
+    copy_kept_inputs(tensors)
 
 
 def _write_all(results: Sequence, outs: Sequence, out_paths: Sequence[str], wrap) -> None:
@@ -137,3 +139,13 @@ def _pure_callback_call(run, operands, out_structs, out_paths):
         return results
 
     return jax.pure_callback(host, list(out_structs), *operands, vmap_method="sequential")
+
+
+def lowering(*args: Any, fn: Any, options: Any, signature: Any) -> Any:
+    """Under jit: a buffer_callback that runs fn on XLA's buffers, through the call plan of
+    this signature (the same checks and errors as an eager call)."""
+    del options
+    operands, *parts = plan_parts(args, signature.out_types)
+    plan = plan_for(fn, *parts)
+    outs = callback_call(plan, operands, plan.structs, plan.out_paths)
+    return jax.tree_util.tree_unflatten(plan.out_tree, outs)

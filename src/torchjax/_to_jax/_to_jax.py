@@ -7,22 +7,15 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import jax
 
-import torchjax._to_jax._autodiff  # noqa: F401  (registers torch_call_p's jvp and transpose rules)
-import torchjax._to_jax._rule_partial_eval  # noqa: F401  (registers the batching rule, and the JVP splits)
 from torchjax._convert import is_array
 from torchjax._errors import StaticArgumentError
-from torchjax._to_jax._torch_call import (
-    GRAD_METHODS,
-    VMAP_METHODS,
-    VMAP_RANDOMNESS,
-    Options,
-    UserFunction,
-    torch_call_p,
-)
+from torchjax._to_jax._callables import UserFunction
+from torchjax._to_jax._options import GradMethod, Options, VmapMethod, VmapRandomness
+from torchjax._to_jax._torch_call import torch_call_p
 
 
 def _raise_unhashable(user: UserFunction, args: tuple, kwargs: dict) -> None:
@@ -40,18 +33,35 @@ def _raise_unhashable(user: UserFunction, args: tuple, kwargs: dict) -> None:
             ) from None
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"to_jax: {name}={value!r} is not one of {', '.join(map(repr, choices))}.")
+@overload
+def to_jax(
+    fn: Callable,
+    *,
+    result_shape_dtypes: Any = None,
+    vmap_method: VmapMethod = "torch.func",
+    vmap_randomness: VmapRandomness = "error",
+    grad_method: GradMethod = "torch.func",
+) -> Callable: ...
+
+
+@overload
+def to_jax(
+    fn: None = None,
+    *,
+    result_shape_dtypes: Any = None,
+    vmap_method: VmapMethod = "torch.func",
+    vmap_randomness: VmapRandomness = "error",
+    grad_method: GradMethod = "torch.func",
+) -> Callable[[Callable], Callable]: ...
 
 
 def to_jax(
     fn: Callable | None = None,
     *,
     result_shape_dtypes: Any = None,
-    vmap_method: str = "torch",
-    vmap_randomness: str = "error",
-    grad_method: str = "torch.func",
+    vmap_method: VmapMethod = "torch.func",
+    vmap_randomness: VmapRandomness = "error",
+    grad_method: GradMethod = "torch.func",
 ) -> Callable:
     """Turn a function on torch tensors into a JAX function.
 
@@ -67,11 +77,11 @@ def to_jax(
         callable taking the inputs as ShapeDtypeStructs (same signature as `fn`) and
         returning one. Without it, types are found by running `fn` on torch fake
         tensors (no real data), once per input signature.
-      vmap_method: how ``jax.vmap`` batches the call. ``"torch"`` (default): one call of
-        ``torch.func.vmap(fn)``. ``"sequential"``: one call per example (for code that
-        torch.vmap cannot batch). ``"expand_dims"``: `fn` handles a leading batch axis
-        itself; unbatched inputs get a size-1 axis. ``"broadcast_all"``: likewise, with
-        every input broadcast to the full batch.
+      vmap_method: how ``jax.vmap`` batches the call. ``"torch.func"`` (default; also
+        spelled ``"torch"``): one call of ``torch.func.vmap(fn)``. ``"sequential"``: one
+        call per example (for code that torch.vmap cannot batch). ``"expand_dims"``:
+        `fn` handles a leading batch axis itself; unbatched inputs get a size-1 axis.
+        ``"broadcast_all"``: likewise, with every input broadcast to the full batch.
       vmap_randomness: ``torch.func.vmap``'s ``randomness``: ``"error"`` (default),
         ``"different"`` or ``"same"``.
       grad_method: ``"torch.func"`` (default) differentiates with ``torch.func.jvp`` and
@@ -101,11 +111,8 @@ def to_jax(
         )
     if not callable(fn):
         raise TypeError(f"to_jax expects a callable, got {type(fn).__name__}.")
-    _check_choice("vmap_method", vmap_method, VMAP_METHODS)
-    _check_choice("vmap_randomness", vmap_randomness, VMAP_RANDOMNESS)
-    _check_choice("grad_method", grad_method, GRAD_METHODS)
+    options = Options.checked(vmap_method, vmap_randomness, grad_method)
     user = UserFunction(fn, result_shape_dtypes)
-    options = Options(vmap_method, vmap_randomness, grad_method)
     params = torch_call_p._bound_params({"fn": user, "options": options})
 
     @functools.wraps(fn)

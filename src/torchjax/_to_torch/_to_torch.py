@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import jax
 import numpy as np
 import torch
 
-from torchjax._compat import forward_ad_active, functorch_transforms_active
+from torchjax._compat._torch import forward_ad_active, functorch_transforms_active
 from torchjax._convert import canonical_jax_dtype
 from torchjax._errors import ConversionError, JaxOutputError, StaticArgumentError
 from torchjax._to_torch._spec import _Spec, run_spec
@@ -214,6 +214,16 @@ def _build_spec(
 
     spec = _Spec(f"to_torch({name})", flat_fn, avals, paths, n_aux=lambda: n_aux[0])
     return spec, out_tree[0]
+
+
+@overload
+def to_torch(jax_fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]: ...
+
+
+@overload
+def to_torch(
+    jax_fn: None = None, *, has_aux: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
 def to_torch(jax_fn: Callable[..., Any] | None = None, *, has_aux: bool = False) -> Any:

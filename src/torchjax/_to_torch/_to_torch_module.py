@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import torch
 
-from torchjax._compat import module_buffers, module_children, module_parameters
+from torchjax._compat._torch import module_buffers, module_children, module_parameters
 from torchjax._convert import tree_to_torch
 from torchjax._errors import ConversionError
 from torchjax._to_torch._to_torch import to_torch

@@ -1,22 +1,19 @@
-# What JvpFunction and VjpFunction share: the base class that restricts a torch callable to
-# the leaves being differentiated, its error classification, and the autograd helpers (fresh
-# tape nodes, pullbacks by torch.autograd.grad, batches of cotangents). Split from
-# _autodiff.py, which keeps the two derived functions and the JVP and transpose rules.
+# torch.autograd and torch.func building blocks of the derivatives in _callables.py.
+#
+# Fresh tape nodes for the leaves to differentiate, pullbacks by torch.autograd.grad (one
+# cotangent, or a batch of them through one forward), forward mode from two reverse-mode
+# passes (grad_method="autograd"), the batch axes of cotangents batched on their own, and
+# whether anything outside a call will differentiate it again. The advice that failures
+# of torch's machinery get lives here too.
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import numpy as np
 import torch
 
-from torchjax._compat import peek_interpreter_stack
-from torchjax._convert import torch_dtype
-from torchjax._errors import AutodiffError
-from torchjax._to_jax._batching import as_tensor
-from torchjax._to_jax._call_plan import autograd_inside
-from torchjax._to_jax._torch_call import DerivedFunction
+from torchjax._compat._torch import peek_interpreter_stack
 
 _tree = jax.tree_util
 
@@ -26,7 +23,9 @@ AUTODIFF_HINT = (
     "setup_context, some extension kernels) can be differentiated with "
     "to_jax(fn, grad_method='autograd'), which uses torch.autograd.grad instead."
 )
+
 AUTOGRAD_HINT = "torch.autograd could not differentiate {name}: {error}"
+
 FORWARD_AD_HINT = (
     "torch has no forward-mode derivative for an operation in {name}: {error}\n"
     "Reverse mode (jax.grad, jax.vjp, jax.jacrev) works without one. For forward mode "
@@ -34,103 +33,17 @@ FORWARD_AD_HINT = (
     "from two reverse-mode passes instead."
 )
 
-# Phrases of torch's own messages when its autodiff machinery, not the function, fails.
-_AUTODIFF_FAILURES = (
-    "forward ad",
-    "forward mode",
-    "jvp function",
-    "derivative for",
-    "functorch",
-    "setup_context",
-    "does not require grad and does not have a grad_fn",
-    "not differentiable",
-    "one of the differentiated tensors",
-)
 
-
-@dataclasses.dataclass(frozen=True)
-class ZerosLike:
-    """A static leaf standing for zeros of this shape and dtype (a linear input's point)."""
-
-    shape: tuple
-    dtype: np.dtype
-
-
-def _inexact(dtype: Any) -> bool:
+def inexact(dtype: Any) -> bool:
     return jax.numpy.issubdtype(dtype, jax.numpy.inexact)
 
 
-class _Derivative(DerivedFunction):
-    """Shared plumbing of JvpFunction and VjpFunction: select leaves, name errors."""
-
-    inner: Any
-    wrt: tuple
-    out_mask: tuple
-    grad_method: str
-
-    @property
-    def method(self) -> str:
-        """The grad_method in force: torch.autograd's where the function runs it itself."""
-        return "autograd" if autograd_inside() else self.grad_method
-
-    def arg_path(self, path: tuple) -> str:
-        # Their args are (primals, tangents or cotangents); the primals are inner's args.
-        if path and getattr(path[0], "idx", None) == 0 and len(path) > 1:
-            return self.inner.arg_path(path[1:])
-        return "args" + _tree.keystr(path)
-
-    def _restricted(self, primals: tuple) -> tuple[Any, list]:
-        """(g, x): g(*x) is inner's masked outputs as a function of the `wrt` leaves.
-
-        g returns ``(masked, rest)``, both tensors: the masked outputs, and the others,
-        which torch.func passes through as aux, untouched by the transform.
-        """
-        # This runs on every call: its loops stay in C where they can (map, `in`).
-        leaves, tree = _tree.tree_flatten(primals)
-        device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), None)
-        if ZerosLike in map(type, leaves):
-            leaves = [
-                torch.zeros(x.shape, dtype=torch_dtype(x.dtype), device=device)
-                if isinstance(x, ZerosLike)
-                else x
-                for x in leaves
-            ]
-
-        def g(*diff: torch.Tensor) -> tuple:
-            new = list(leaves)
-            for i, t in zip(self.wrt, diff, strict=True):
-                new[i] = t
-            outs = _tree.tree_leaves(self.inner(*_tree.tree_unflatten(tree, new)))
-            # A Python number output is a constant: as a tensor, its derivative is zero.
-            outs = [o if isinstance(o, torch.Tensor) else as_tensor(o, device) for o in outs]
-            if all(self.out_mask):
-                return tuple(outs), []
-            masked = tuple(o for o, m in zip(outs, self.out_mask, strict=True) if m)
-            return masked, [o for o, m in zip(outs, self.out_mask, strict=True) if not m]
-
-        return g, [leaves[i] for i in self.wrt]
-
-    grad_mode = True  # see _CallPlan: torch.func runs derivatives with grad mode on
-
-    def call_failure(self, error: Exception) -> Exception:
-        text = f"{type(error).__name__}: {error}"
-        if not any(m in text.lower() for m in _AUTODIFF_FAILURES):
-            return self.inner.call_failure(error)  # the function's own exception
-        if self.method == "autograd":
-            hint = AUTOGRAD_HINT
-        elif isinstance(error, NotImplementedError) and "forward" in text.lower():
-            hint = FORWARD_AD_HINT
-        else:
-            hint = AUTODIFF_HINT
-        return AutodiffError(hint.format(name=self.root.name, error=text))
-
-
-def _conj(t: torch.Tensor) -> torch.Tensor:
+def conj(t: torch.Tensor) -> torch.Tensor:
     # conj_physical, not conj: a lazily conjugated tensor cannot be handed to JAX by DLPack.
     return torch.conj_physical(t) if t.is_complex() else t
 
 
-def _on_tape(x: list[torch.Tensor]) -> list[torch.Tensor]:
+def on_tape(x: list[torch.Tensor]) -> list[torch.Tensor]:
     """Fresh autograd nodes for the leaves to differentiate (grad_method="autograd").
 
     A leaf already on an outer tape (a higher derivative in progress, e.g. jax.hessian)
@@ -140,7 +53,7 @@ def _on_tape(x: list[torch.Tensor]) -> list[torch.Tensor]:
     return [xi.view_as(xi) if xi.requires_grad else xi.detach().requires_grad_() for xi in x]
 
 
-def _batch_sizes(shapes: list, levels: tuple) -> tuple:
+def batch_sizes(shapes: list, levels: tuple) -> tuple:
     """The sizes of the batch axes `levels` (innermost first) put on `shapes`, outermost
     first; each level's axes index the shapes as they are without the outer levels."""
     shapes, sizes = [list(s) for s in shapes], []
@@ -151,7 +64,7 @@ def _batch_sizes(shapes: list, levels: tuple) -> tuple:
     return tuple(sizes)
 
 
-def _stack_batch(tensors: tuple, levels: tuple) -> tuple[tuple, tuple]:
+def stack_batch(tensors: tuple, levels: tuple) -> tuple[tuple, tuple]:
     """The tensors with the batch axes of `levels` moved to the front (outermost first;
     unbatched ones broadcast) and merged into one: ``(flat, sizes)``, each flat tensor
     ``[prod(sizes), ...]``."""
@@ -171,10 +84,10 @@ def _stack_batch(tensors: tuple, levels: tuple) -> tuple[tuple, tuple]:
     return tuple(t.reshape(n, *t.shape[placed:]) for t in tensors), tuple(sizes)
 
 
-def _autograd_pullbacks(g: Any, x: list, flat_cts: tuple) -> tuple:
+def autograd_pullbacks(g: Any, x: list, flat_cts: tuple) -> tuple:
     """The cotangents of x for each row of the stacked cotangents, from one forward."""
     with torch.enable_grad():
-        x = _on_tape(x)
+        x = on_tape(x)
         out, _ = g(*x)
         live = [i for i, o in enumerate(out) if o.requires_grad]
         n = flat_cts[0].shape[0] if flat_cts else 0
@@ -197,7 +110,7 @@ def _autograd_pullbacks(g: Any, x: list, flat_cts: tuple) -> tuple:
     return tuple(torch.stack([r[j] for r in rows]) for j in range(len(x)))
 
 
-def _outermost(args: Any) -> bool:
+def outermost(args: Any) -> bool:
     """Whether nothing outside this call will differentiate it: no torch.func transform is
     active, and no tensor among its arguments is on an autograd tape."""
     peek = peek_interpreter_stack
@@ -210,10 +123,10 @@ def _requires_grad(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.requires_grad
 
 
-def _autograd_pullback(g: Any, x: list, cotangents: tuple, *, create_graph: bool) -> tuple:
+def autograd_pullback(g: Any, x: list, cotangents: tuple, *, create_graph: bool) -> tuple:
     """The cotangents of x by torch.autograd.grad; with create_graph, differentiable again."""
     with torch.enable_grad():
-        x = _on_tape(x)
+        x = on_tape(x)
         out, _ = g(*x)
         # Outputs off the tape do not depend on x and contribute nothing.
         pairs = [(o, c) for o, c in zip(out, cotangents, strict=True) if o.requires_grad]
@@ -229,3 +142,38 @@ def _autograd_pullback(g: Any, x: list, cotangents: tuple, *, create_graph: bool
                 materialize_grads=True,
             )
         )
+
+
+def jvp_by_double_vjp(g: Any, x: list, tangents: tuple) -> tuple:
+    """Forward mode from reverse mode: J t = d/du [u^T J]^T t, u a dummy cotangent."""
+    with torch.enable_grad():
+        x = on_tape(x)
+        out, rest = g(*x)
+        result = [torch.zeros_like(o) for o in out]
+        # An output off the tape does not depend on x: its tangent is zero, and
+        # autograd.grad refuses it, so only outputs on the tape take part.
+        live = [i for i, o in enumerate(out) if o.requires_grad]
+        pairs, u = [], []
+        if live:
+            u = [torch.zeros_like(out[i], requires_grad=True) for i in live]
+            vjp = torch.autograd.grad(
+                [out[i] for i in live],
+                x,
+                u,
+                create_graph=True,
+                allow_unused=True,
+                materialize_grads=True,
+            )
+            pairs = [(v, t) for v, t in zip(vjp, tangents, strict=True) if v.requires_grad]
+        if pairs:
+            jt = torch.autograd.grad(
+                [v for v, _ in pairs],
+                u,
+                [t for _, t in pairs],
+                create_graph=True,
+                allow_unused=True,
+                materialize_grads=True,
+            )
+            for i, t in zip(live, jt, strict=True):
+                result[i] = t
+    return out, tuple(result), rest

@@ -1,0 +1,331 @@
+# The JAX and jaxlib half of the private names: JAX's primitive machinery and rule tables,
+# its partial evaluation, the x64 flag, arrays' devices and jaxlib's DLPack entry points.
+# Imports jax only (PytreePrimitive stands on this half alone).
+#
+# Each name is looked up by feature detection, not by version number (see _registry.py):
+# where a public API does the same job, a missing private name falls back to it and costs
+# speed, not function; where none does, the name is required, and importing torchjax
+# raises an ImportError that names it. Other modules import the namespaces below (`core`,
+# `ad`, `batching`, `mlir`, `partial_eval`) in place of JAX's modules: each holds exactly
+# the names torchjax uses, resolved once.
+from __future__ import annotations
+
+import functools
+import inspect
+import operator
+import types
+from typing import Any
+
+import jax
+import jax.extend.core
+import numpy as np
+
+from torchjax._compat._registry import (
+    ABSENT,
+    check_required,
+    or_,
+    private,
+    register,
+    resolve,
+)
+
+# ---------------------------------------------------------------------------------------
+# JAX: primitives and their rules (PytreePrimitive, torch_call_p, the JVP splits)
+# ---------------------------------------------------------------------------------------
+
+# Whether a bind would only evaluate (no trace active): PytreePrimitive's eager fast path.
+_trace_ctx = private(
+    "jax._src.core.trace_ctx", fallback="every eager call goes through Primitive.bind (slower)"
+)
+_EvalTrace = private(
+    "jax._src.core.EvalTrace", fallback="every eager call goes through Primitive.bind (slower)"
+)
+
+
+if _trace_ctx is not ABSENT and _EvalTrace is not ABSENT:
+
+    def at_top_level() -> bool:
+        """Whether no JAX transformation or trace is active (binding would just evaluate)."""
+        return type(_trace_ctx.trace) is _EvalTrace
+
+else:
+
+    def at_top_level() -> bool:
+        """Unknown without JAX's trace context: say no, and let JAX dispatch every call."""
+        return False
+
+
+# Inside shard_map, operands that vary over different manual mesh axes must be cast to vary
+# over all of them before a bind (JAX's own primitives do it). JAX 0.8 called it
+# standard_insert_pvary.
+_auto_insert_reshard = private(
+    "jax._src.core.auto_insert_reshard",
+    "jax._src.core.standard_insert_pvary",
+    fallback="under shard_map, calls whose operands vary over different manual axes fail",
+)
+
+
+def _no_reshard(*operands: Any) -> Any:
+    return operands
+
+
+# How an aval records the manual mesh axes it varies over: `mat` (with `.varying`) in JAX
+# 0.10, `vma` (a frozenset) in JAX 0.8.
+private(
+    "jax._src.core.ShapedArray.mat",
+    "jax._src.core.ShapedArray.vma",
+    fallback="outputs inside shard_map are typed as not varying over manual axes",
+)
+_HAS_MAT = resolve("jax._src.core.ShapedArray.mat") is not ABSENT
+_HAS_VMA = not _HAS_MAT and resolve("jax._src.core.ShapedArray.vma") is not ABSENT
+
+
+def varying_manual_axes(aval: Any) -> frozenset:
+    """The manual mesh axes (inside shard_map) whose devices hold different values."""
+    if _HAS_MAT:
+        mat = getattr(aval, "mat", None)
+        return mat.varying if mat is not None else frozenset()
+    if _HAS_VMA:
+        return getattr(aval, "vma", frozenset())
+    return frozenset()
+
+
+def manual_axes_of(aval: Any) -> dict:
+    """ShapedArray keyword arguments that make a new aval vary over the axes `aval` does."""
+    if _HAS_MAT:
+        return {"manual_axis_type": aval.mat}
+    if _HAS_VMA:
+        return {"vma": aval.vma}
+    return {}
+
+
+_set_current_trace = private("jax.extend.core.set_current_trace", "jax._src.core.set_current_trace")
+_apply_primitive = private(
+    "jax._src.dispatch.apply_primitive",
+    fallback="a PytreePrimitive with a lowering but no impl runs eagerly via jax.jit (slower)",
+)
+
+
+# JAX 0.8 passes some constants to rules as a TypedNdArray, a numpy array that is not an
+# np.ndarray (by JAX 0.10 it is one). Each counts as array data wherever it may show.
+_typed_ndarray = private(
+    "jax._src.literals.TypedNdArray",
+    fallback="none needed: JAX versions without it pass np.ndarray constants",
+)
+HOST_ARRAY_TYPES: tuple[type, ...] = (np.ndarray,)
+if _typed_ndarray is not ABSENT and not issubclass(_typed_ndarray, np.ndarray):
+    HOST_ARRAY_TYPES += (_typed_ndarray,)
+# What a pytree leaf that is array data can be (a tuple: isinstance's fastest form).
+ARRAY_TYPES: tuple[type, ...] = (jax.Array, *HOST_ARRAY_TYPES, jax.core.Tracer)
+
+
+def _jit_apply_primitive(prim: Any, *operands: Any, **params: Any) -> Any:
+    return jax.jit(lambda *xs: prim.bind(*xs, **params))(*operands)
+
+
+# Stand-ins for jax._src.core and jax._src.dispatch: only what torchjax uses.
+core = types.SimpleNamespace(
+    Primitive=jax.extend.core.Primitive,
+    Var=jax.extend.core.Var,
+    Tracer=jax.core.Tracer,
+    ShapedArray=jax.core.ShapedArray,
+    typeof=jax.typeof,
+    auto_insert_reshard=or_(_auto_insert_reshard, _no_reshard),
+    set_current_trace=_set_current_trace,
+)
+dispatch = types.SimpleNamespace(apply_primitive=or_(_apply_primitive, _jit_apply_primitive))
+
+# Rule tables and autodiff types. jax.interpreters re-exports them; JAX has been removing
+# names from there, so the jax._src original is the alternative.
+ad = types.SimpleNamespace(
+    primitive_jvps=private(
+        "jax.interpreters.ad.primitive_jvps", "jax._src.interpreters.ad.primitive_jvps"
+    ),
+    primitive_transposes=private(
+        "jax.interpreters.ad.primitive_transposes",
+        "jax._src.interpreters.ad.primitive_transposes",
+    ),
+    Zero=private("jax.interpreters.ad.Zero", "jax._src.interpreters.ad.Zero"),
+    is_undefined_primal=private(
+        "jax.interpreters.ad.is_undefined_primal",
+        "jax._src.interpreters.ad.is_undefined_primal",
+    ),
+)
+
+# Direct linearization (JAX's LinearizeTrace: grad, vjp, linearize): a primitive's own rule
+# replaces JAX's fallback, which traces the JVP rule into a jaxpr, partially evaluates and
+# prunes it on every call. The rule's calling convention changed twice: JAX 0.8 passes the
+# nonzero mask and the primals; later ones an is_vjp flag first; JAX 0.11 takes structured
+# residuals back too (none here), passed to the linearized function before the tangents.
+_SLOWER_LINEARIZE = "JAX's own linearization of the JVP rule (slower reverse mode)"
+_linearizations = private(
+    "jax._src.interpreters.ad.primitive_linearizations", fallback=_SLOWER_LINEARIZE
+)
+_fallback_linearize = private(
+    "jax._src.interpreters.ad.fallback_linearize_rule", fallback=_SLOWER_LINEARIZE
+)
+_LinearizeTrace = private("jax._src.interpreters.ad.LinearizeTrace", fallback=_SLOWER_LINEARIZE)
+
+
+def _linearize_convention() -> str | None:
+    if ABSENT in (_linearizations, _fallback_linearize, _LinearizeTrace):
+        return None
+    try:
+        names = list(inspect.signature(_fallback_linearize).parameters)
+    except (TypeError, ValueError):
+        return None
+    if names[:3] == ["_prim", "_nonzeros", "primals"]:
+        return "nonzeros"
+    if names[:3] != ["_prim", "_is_vjp", "_nonzeros"]:
+        return None
+    structured = "structured_residuals" in getattr(_LinearizeTrace, "__annotations__", {})
+    return "structured" if structured else "is_vjp"
+
+
+LINEARIZE_CONVENTION = _linearize_convention()
+
+
+def register_linearization(primitive: Any, rule: Any) -> bool:
+    """Register `rule` as `primitive`'s direct linearization; False where JAX has none.
+
+    ``rule(is_vjp, nonzeros, *primals, **params)`` returns ``(outputs, output_nonzeros,
+    residuals, linearized)``, with ``linearized(residuals, *tangents)`` the output tangents,
+    or None to leave this call to JAX's fallback. `is_vjp` says whether the linear half will
+    be transposed (grad, vjp) or applied forward (linearize); None where JAX does not say.
+    """
+    convention = LINEARIZE_CONVENTION
+    if convention is None:
+        return False
+    fallback = functools.partial(_fallback_linearize, primitive)
+
+    def lin(*args: Any, **params: Any) -> Any:
+        is_vjp, (nonzeros, *primals) = (
+            (None, args) if convention == "nonzeros" else (args[0], args[1:])
+        )
+        found = rule(is_vjp, nonzeros, *primals, **params)
+        if found is None:
+            return fallback(*args, **params)
+        if convention != "structured":
+            return found
+        out, nonzeros_out, residuals, linearized = found
+        return out, nonzeros_out, residuals, None, lambda r, _, *t: linearized(r, *t)
+
+    _linearizations[primitive] = lin
+    return True
+
+
+batching = types.SimpleNamespace(
+    primitive_batchers=private(
+        "jax.interpreters.batching.primitive_batchers",
+        "jax._src.interpreters.batching.primitive_batchers",
+    ),
+)
+mlir = types.SimpleNamespace(
+    register_lowering=private(
+        "jax.interpreters.mlir.register_lowering", "jax._src.interpreters.mlir.register_lowering"
+    ),
+    lower_fun=private("jax.interpreters.mlir.lower_fun", "jax._src.interpreters.mlir.lower_fun"),
+)
+# The JVP splits (_rule_partial_eval.py): partial-evaluation rules, and remat policy results.
+partial_eval = types.SimpleNamespace(
+    custom_partial_eval_rules=private(
+        "jax.interpreters.partial_eval.custom_partial_eval_rules",
+        "jax._src.interpreters.partial_eval.custom_partial_eval_rules",
+    ),
+    partial_eval_jaxpr_custom_rules=private(
+        "jax.interpreters.partial_eval.partial_eval_jaxpr_custom_rules",
+        "jax._src.interpreters.partial_eval.partial_eval_jaxpr_custom_rules",
+    ),
+    ensure_enum=private("jax._src.interpreters.partial_eval.ensure_enum"),
+    RecomputeType=private("jax._src.interpreters.partial_eval.RecomputeType"),
+    # Only named in a type annotation.
+    JaxprTrace=or_(resolve("jax._src.interpreters.partial_eval.JaxprTrace"), Any),
+)
+
+# What the partial-evaluation rules read off JAX's objects: a JaxprTrace's known values and
+# constants, an equation's fields, an aval's tangent type. Methods, not looked up here.
+register("jax._src.interpreters.partial_eval.JaxprTrace.default_process_primitive")
+register("jax._src.interpreters.partial_eval.JaxprTrace.new_const")
+register("jax._src.interpreters.partial_eval.JaxprTracer.pval")
+register("jax._src.interpreters.partial_eval.PartialVal.is_known")
+register("jax._src.interpreters.partial_eval.PartialVal.get_known")
+register("jax._src.core.JaxprEqn.replace")
+register("jax._src.core.ShapedArray.to_tangent_aval")
+
+
+def is_known(tracer: Any) -> bool:
+    """Whether a JaxprTrace tracer's value is known (computed now, not staged)."""
+    return tracer.pval.is_known()
+
+
+def known_value(tracer: Any) -> Any:
+    return tracer.pval.get_known()
+
+
+def process_by_default(trace: Any, primitive: Any, tracers: Any, params: dict) -> Any:
+    """What a JaxprTrace does with a primitive that has no rule of its own."""
+    return trace.default_process_primitive(primitive, tracers, params)
+
+
+def trace_constant(trace: Any, value: Any) -> Any:
+    """`value` as a known constant of a JaxprTrace."""
+    return trace.new_const(value)
+
+
+def replace_equation(eqn: Any, **changes: Any) -> Any:
+    """A jaxpr equation with some of its fields (invars, outvars, params) replaced."""
+    return eqn.replace(**changes)
+
+
+def tangent_aval(aval: Any) -> Any:
+    """The type of a tangent of a value of type `aval` (float0 for integers)."""
+    return aval.to_tangent_aval()
+
+
+# ---------------------------------------------------------------------------------------
+# JAX and jaxlib: the x64 flag, DLPack, arrays' devices (_convert.py, _torch_call.py)
+# ---------------------------------------------------------------------------------------
+
+# Whether an array was placed on its device explicitly, and a single-device sharding's
+# device: read without building the sharding's device set.
+private("jax._src.lib._jax.ArrayImpl._committed")
+array_committed = operator.attrgetter("_committed")
+private("jax.sharding.SingleDeviceSharding._device")
+sharding_device = operator.attrgetter("_device")
+
+
+class _PublicX64:
+    """jax.config's public view of the x64 flag (thread-local contexts included)."""
+
+    @property
+    def value(self) -> bool:
+        return bool(jax.config.jax_enable_x64)
+
+
+# The flag's state object: read on every conversion, it is cheaper than jax.config.
+jax_config = types.SimpleNamespace(
+    enable_x64=or_(
+        private("jax._src.config.enable_x64", fallback="jax.config.jax_enable_x64 (slower)"),
+        _PublicX64(),
+    )
+)
+
+_DLPACK_SLOW = "jax.dlpack and jax.Array.__dlpack__ (about 10 µs more per conversion)"
+dlpack_import = private(
+    "jax._src.lib._jax.dlpack_managed_tensor_to_buffer", fallback="jax.dlpack.from_dlpack"
+)
+# jaxlib's DLPack export of a single-device array, and the type it applies to; None (and a
+# type nothing has) where missing, so callers take jax.Array.__dlpack__.
+dlpack_export = or_(
+    private("jax._src.lib._jax.buffer_to_dlpack_managed_tensor", fallback=_DLPACK_SLOW), None
+)
+
+
+class _NoArray:
+    """A type no array has: `type(a) is ArrayImpl` is then always False."""
+
+
+ArrayImpl = or_(private("jax._src.lib._jax.ArrayImpl", fallback=_DLPACK_SLOW), _NoArray)
+
+
+check_required(f"jax {jax.__version__}")

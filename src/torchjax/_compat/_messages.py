@@ -1,0 +1,146 @@
+# What torch's (and jaxlib's) own error messages say, where no exception type says it.
+#
+# torchjax must tell a failure of torch's machinery (a fake tensor without data, torch.func
+# refusing a function, a storage that refuses writes) from the user's own exception, which
+# stays theirs: only the former gets torchjax's advice. Where torch raises a plain
+# RuntimeError, the only way to tell is the message. Every phrase torchjax matches lives
+# here, and tests/test_torch_messages.py provokes each one from torch itself, on every
+# version the matrix runs: a release that rewords a message fails there, by phrase.
+from __future__ import annotations
+
+from torchjax._compat._registry import ABSENT, resolve
+
+# -- fake runs: the fake machinery's limits (a real run may succeed) ------------------------
+# The exception types torch uses for them, whichever this torch defines.
+FAKE_LIMIT_ERRORS: tuple[type, ...] = tuple(
+    t
+    for t in (
+        resolve(f"torch._subclasses.fake_tensor.{name}")
+        for name in (
+            "DataDependentOutputException",
+            "DynamicOutputShapeException",
+            "UnsupportedOperatorException",
+            "UnsupportedFakeTensorException",
+            "FakeTensorDeviceMismatchError",
+            "MetadataMismatchError",
+        )
+    )
+    if t is not ABSENT
+) + tuple(
+    t
+    for t in (resolve("torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode"),)
+    if t is not ABSENT
+)
+# And the phrases of the plain RuntimeErrors it raises (lower case).
+FAKE_LIMIT_PHRASES = (
+    "data is not allocated",  # a real tensor's data read in a fake run (tensor_split's index)
+    "not supported for tensor subclasses",  # .numpy(), np.asarray() of a fake tensor
+    "not available for 'meta' device type",  # a fake tensor's storage read
+)
+
+
+def is_fake_limit(error: BaseException) -> bool:
+    """Whether a fake run failed for the fake machinery's reason (data-dependent shapes or
+    control flow, kernels without fake support), not because the function itself raised."""
+    if isinstance(error, FAKE_LIMIT_ERRORS):
+        return True
+    text = f"{type(error).__name__} {error}".lower()
+    return any(p in text for p in FAKE_LIMIT_PHRASES)
+
+
+# -- torch.func and torch.autograd refusing (lower case) ------------------------------------
+AUTODIFF_PHRASES = (
+    "forward ad",  # an op without a forward-mode formula: "Trying to use forward AD with ..."
+    "forward mode",  # a custom Function without jvp: "... to use it with forward mode AD."
+    "jvp function",  # the same message
+    "derivative for",  # "the derivative for '_cdist_backward' is not implemented."
+    "functorch",  # "... autograd.Function with functorch transforms ..."
+    "setup_context",  # the same message: an old-style autograd.Function
+    "does not require grad and does not have a grad_fn",
+    "not differentiable",  # "The QR decomposition is not differentiable when ..."
+    "appears to not have been used in the graph",
+)
+NEEDS_SETUP_CONTEXT = "setup_context"
+
+
+def is_autodiff_failure(error: BaseException) -> bool:
+    """Whether torch.func or torch.autograd, not the function, failed to differentiate."""
+    text = f"{type(error).__name__}: {error}".lower()
+    return any(p in text for p in AUTODIFF_PHRASES)
+
+
+def lacks_forward_derivative(error: BaseException) -> bool:
+    """Whether an op or a custom Function has no forward-mode derivative."""
+    return isinstance(error, NotImplementedError) and "forward" in str(error).lower()
+
+
+def needs_setup_context(error: BaseException) -> bool:
+    """Whether an old-style autograd.Function met a torch.func transform."""
+    return NEEDS_SETUP_CONTEXT in str(error)
+
+
+# torch.func refusing a function that runs torch.autograd itself (x.requires_grad_()).
+AUTOGRAD_INSIDE = "inside of a function being transformed by a functorch transform"
+
+
+def runs_autograd_itself(error: BaseException) -> bool:
+    """Whether torch.func refused a function because it runs torch.autograd itself."""
+    return AUTOGRAD_INSIDE in str(error)
+
+
+# torch.func refusing to run under saved-tensor hooks (the function uses torch.func itself).
+SAVED_TENSOR_HOOKS = "saved tensor hooks"
+
+
+def refuses_saved_tensor_hooks(error: BaseException) -> bool:
+    return SAVED_TENSOR_HOOKS in str(error)
+
+
+# -- torch.func.vmap refusing (lower case) -----------------------------------------------
+VMAP_PHRASES = (
+    "vmap",  # "vmap: It looks like you're calling .item() ...", data-dependent control flow
+    "batching rule",  # "Batching rule not implemented for aten::column_stack ..."
+)
+MISSING_BATCHING_RULE = "batching rule not implemented"
+RANDOMNESS = "randomness"  # "vmap: called random operation while in randomness error mode"
+
+
+def is_vmap_failure(error: BaseException) -> bool:
+    """Whether torch.func.vmap, not the function, failed to batch."""
+    text = f"{type(error).__name__}: {error}".lower()
+    return any(p in text for p in VMAP_PHRASES)
+
+
+def lacks_batching_rule(error: BaseException) -> bool:
+    return MISSING_BATCHING_RULE in str(error).lower()
+
+
+def refuses_randomness(error: BaseException) -> bool:
+    return RANDOMNESS in str(error)
+
+
+# -- the in-place guard ---------------------------------------------------------------------
+# torch's refusal to hand out a writable pointer to a storage marked throw-on-mutable-data-
+# ptr (every input's, during a call).
+WRITE_REFUSED = "Cannot access data pointer of Tensor"
+
+
+def is_write_refusal(error: BaseException | None) -> bool:
+    """Whether `error` (or one it was raised from) is a protected storage refusing a
+    writable pointer: an attempted write, or a reader that asked for write access."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, RuntimeError) and WRITE_REFUSED in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return False
+
+
+# -- jaxlib ---------------------------------------------------------------------------------
+# nanobind's message for a call that matches none of a function's signatures.
+NO_MATCHING_SIGNATURE = "incompatible function arguments"
+
+
+def matches_no_signature(error: BaseException) -> bool:
+    return isinstance(error, TypeError) and NO_MATCHING_SIGNATURE in str(error)

@@ -1,0 +1,254 @@
+# The torch half of the private names: functorch's levels and vmap steps, fake tensors,
+# version counters and storages (the in-place guard), torch.compile's originals, nn.Module's
+# own dicts, torch's pytree registry, and the DLPack calls between torch and jaxlib.
+#
+# Each name is looked up by feature detection, not by version number (see _registry.py and
+# _jax.py's banner).
+from __future__ import annotations
+
+import operator
+import sys
+from typing import Any
+
+import jax
+import torch
+import torch.autograd.forward_ad as _forward_ad
+import torch.utils.dlpack
+
+from torchjax._compat._jax import dlpack_import
+from torchjax._compat._messages import matches_no_signature
+from torchjax._compat._registry import (
+    ABSENT,
+    check_required,
+    or_,
+    private,
+    register,
+)
+
+_DL_CPU = 1  # DLPack's kDLCPU (dlpack.h)
+
+
+class _CpuImport:
+    """jaxlib's DLPack import of CPU tensors, in whichever signature this jaxlib has.
+
+    ``(capsule, device, stream)`` in jaxlib 0.8.0, ``copy`` added by 0.8.2, and
+    ``dl_device_type`` by 0.10. Which form works is found on the first call (not at import:
+    that would start JAX's backends) and kept; with none, jax.dlpack.from_dlpack does it.
+    """
+
+    def __init__(self) -> None:
+        # The trailing arguments of each form, newest first.
+        self.forms = [(None, None, _DL_CPU), (None, None), (None,)]
+        if dlpack_import is ABSENT:
+            self.forms = []
+
+    def __call__(self, t: torch.Tensor, device: Any) -> jax.Array:
+        while self.forms:
+            capsule = torch.utils.dlpack.to_dlpack(t)
+            try:
+                return dlpack_import(capsule, device, *self.forms[0])
+            except TypeError as e:
+                if not matches_no_signature(e):  # the capsule was not consumed: next form
+                    raise
+                self.forms.pop(0)
+        return jax.dlpack.from_dlpack(t, device=device)
+
+
+# `cpu_array_from_tensor(t, device)`: a contiguous, 64-byte aligned CPU tensor as a JAX
+# array on `device`, zero-copy.
+cpu_array_from_tensor = _CpuImport()
+
+# ---------------------------------------------------------------------------------------
+# torch
+# ---------------------------------------------------------------------------------------
+
+# A DLPack capsule as a tensor without torch.utils.dlpack's Python wrapper and type checks.
+tensor_from_capsule = or_(
+    private("torch._C._from_dlpack", fallback="torch.utils.dlpack.from_dlpack (slower)"),
+    torch.utils.dlpack.from_dlpack,
+)
+
+# Grad mode, set without the context-manager object torch.set_grad_enabled builds.
+set_grad_enabled = or_(
+    private("torch._C._set_grad_enabled", fallback="torch.set_grad_enabled (slower)"),
+    torch.set_grad_enabled,
+)
+
+# A tensor's version counter: it moves on every in-place write, which is how in-place
+# modification of an input is detected. No public API exposes it.
+private("torch.Tensor._version")
+tensor_version = operator.attrgetter("_version")
+
+# torch.func may return a lazy ZeroTensor, which has no storage for DLPack.
+private("torch.Tensor._is_zerotensor")
+is_zerotensor = operator.methodcaller("_is_zerotensor")
+
+
+# functorch's interpreter stack: which torch.func transforms are active, and whether a
+# tensor is one of their wrappers (batched or grad-tracking).
+is_functorch_wrapped = private("torch._C._functorch.is_functorch_wrapped_tensor")
+_transforms_active = private(
+    "torch._C._are_functorch_transforms_active",
+    fallback="torch calls from to_torch always go through autograd.Function (slower)",
+)
+# None where missing: _derivative then assumes an enclosing transform (the safe answer).
+peek_interpreter_stack = or_(
+    private(
+        "torch._C._functorch.peek_interpreter_stack",
+        fallback="derivatives are built to be differentiable again (slower)",
+    ),
+    None,
+)
+
+
+def functorch_transforms_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp, ...) is running."""
+    return True if _transforms_active is ABSENT else _transforms_active()
+
+
+private(
+    "torch.autograd.forward_ad._current_level",
+    fallback="torch calls from to_torch always go through autograd.Function (slower)",
+)
+
+
+def forward_ad_active() -> bool:
+    """Whether a torch.autograd.forward_ad dual level is open (a module global, read each
+    time; where it is missing, assume one is)."""
+    return getattr(_forward_ad, "_current_level", 0) >= 0
+
+
+# Leaves functorch's interpreter stack for a moment (setting generator state inside a
+# torch.func transform must not be intercepted by it).
+DisableFuncTorch = private("torch._C._DisableFuncTorch")
+
+# The steps torch.func.vmap is made of, called without its Python wrapper (_batching.py).
+# (Each written out in full: tests/test_compat.py reads the names from this source.)
+_NO_FAST_VMAP = "torch.func.vmap itself (tens of µs more per batched call)"
+vmap_add_batch_dim = private("torch._functorch.predispatch._add_batch_dim", fallback=_NO_FAST_VMAP)
+vmap_remove_batch_dim = private(
+    "torch._functorch.predispatch._remove_batch_dim", fallback=_NO_FAST_VMAP
+)
+vmap_increment_nesting = private(
+    "torch._functorch.predispatch._vmap_increment_nesting", fallback=_NO_FAST_VMAP
+)
+vmap_decrement_nesting = private(
+    "torch._functorch.predispatch._vmap_decrement_nesting", fallback=_NO_FAST_VMAP
+)
+vmap_lazy_load_decompositions = private(
+    "torch._functorch.predispatch.lazy_load_decompositions", fallback=_NO_FAST_VMAP
+)
+FAST_VMAP = ABSENT not in (
+    vmap_add_batch_dim,
+    vmap_remove_batch_dim,
+    vmap_increment_nesting,
+    vmap_decrement_nesting,
+    vmap_lazy_load_decompositions,
+)
+
+# Fake tensors: output shapes without data (_fake_run.py, _module_to_jax.py, _convert.py).
+fake_tensor = private("torch._subclasses.fake_tensor")
+FakeTensorMode = private("torch._subclasses.fake_tensor.FakeTensorMode")
+is_fake = private("torch._subclasses.fake_tensor.is_fake")
+unset_fake_temporarily = private("torch._subclasses.fake_tensor.unset_fake_temporarily")
+detect_fake_mode = private("torch._guards.detect_fake_mode")
+# torch's pytree registry: containers torch knows and JAX does not (_outputs.py).
+torch_pytree = private("torch.utils._pytree")
+private("torch.utils._pytree.SUPPORTED_NODES")
+private("torch.utils._pytree.MappingKey")
+private("torch.utils._pytree.GetAttrKey")
+is_structseq_class = private("torch.utils._pytree.is_structseq_class")
+
+# torch.compile: the original module or function inside a compiled one. Looking these up
+# would import torch._dynamo (seconds); the test does.
+_UNWRAP = "compiled modules and functions are fake-run as compiled (which may fail)"
+register("torch._dynamo.eval_frame.OptimizedModule", _UNWRAP)
+register("torch._dynamo.eval_frame.OptimizedModule()._orig_mod", _UNWRAP)
+register("torch.compile(function)._torchdynamo_orig_callable", _UNWRAP)
+
+
+def compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module inside a ``torch.compile``'d one (an OptimizedModule), or None."""
+    # Only a program that imported torch._dynamo can hold an OptimizedModule: looking it up
+    # in sys.modules avoids importing dynamo (seconds) for every other module.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is not None and isinstance(module, optimized):
+        return module._orig_mod
+    return None
+
+
+register(
+    "torch._dynamo.eval_frame.OptimizedModule().dynamo_ctx",
+    "module_to_jax of a compiled module: calls run the module uncompiled",
+)
+
+
+def compiled_context(compiled: torch.nn.Module) -> Any:
+    """The compile context of a torch.compile'd module: with the module's class, it compiles
+    another module the same way (`type(compiled)(other, context)`)."""
+    return getattr(compiled, "dynamo_ctx", None)
+
+
+def compiled_function_original(fn: Any) -> Any:
+    """What torch.compile compiled: the original function or module, or None."""
+    orig = getattr(fn, "_torchdynamo_orig_callable", None)
+    if orig is not None:
+        return orig
+    mod = getattr(fn, "_orig_mod", None)
+    return mod if isinstance(mod, torch.nn.Module) else None
+
+
+# torch.nn.utils.parametrize.cached()'s cache: keyed by the id of the module a
+# parametrization was registered on, which every copy of that module shares (the key lives
+# in a closure of the class's property). Read each time: cached() replaces the dict.
+import torch.nn.utils.parametrize as _parametrize  # noqa: E402
+
+private("torch.nn.utils.parametrize._cache")
+private("torch.nn.utils.parametrize._cache_enabled")
+
+
+def parametrize_cache() -> dict | None:
+    """parametrize.cached()'s cache while one is open, else None."""
+    return _parametrize._cache if _parametrize._cache_enabled else None
+
+
+# nn.Module's own dicts of parameters, buffers and submodules: assigning entries there is
+# what setattr does, minus its checks.
+private("torch.nn.Module()._parameters")
+private("torch.nn.Module()._buffers")
+private("torch.nn.Module()._modules")
+module_parameters = operator.attrgetter("_parameters")
+module_buffers = operator.attrgetter("_buffers")
+module_children = operator.attrgetter("_modules")
+
+# The in-place guard (_guard.py, _call_plan.py, _rule_lowering.py): dispatch modes, and who
+# shares a tensor's storage.
+TorchDispatchMode = private("torch.utils._python_dispatch.TorchDispatchMode")
+# Every later write into the storage raises before it happens (torch's mark for fake ones).
+set_throw_on_mutable_data_ptr = private("torch._C._set_throw_on_mutable_data_ptr")
+storage_use_count = private("torch._C._storage_Use_Count")  # users of a storage id
+storage_id = private("torch._C._storage_id")  # a tensor's storage, as an id (no object)
+private("torch.UntypedStorage._cdata")
+storage_cdata = operator.attrgetter("_cdata")  # an UntypedStorage's id
+private("torch.Tensor._use_count")
+tensor_use_count = operator.methodcaller("_use_count")  # references to the TensorImpl
+private("torch.Tensor._is_view")
+is_view = operator.methodcaller("_is_view")
+private("torch.Tensor._base")
+tensor_base = operator.attrgetter("_base")
+private("torch.ops.aten.add.Tensor._schema")
+op_schema = operator.attrgetter("_schema")
+_KEEP_FAILS = "a jitted function that keeps a reference to its input fails (TorchJaxError)"
+_swap_data_ptr = private("torch.UntypedStorage._swap_data_ptr_", fallback=_KEEP_FAILS)
+
+
+def swap_storage_data(storage: Any, other: Any) -> bool:
+    """Make `storage` and `other` trade their memory (False where torch cannot)."""
+    if _swap_data_ptr is ABSENT:
+        return False
+    storage._swap_data_ptr_(other)
+    return True  # an OpOverload's schema (arguments, aliasing)
+
+
+check_required(f"torch {torch.__version__}")

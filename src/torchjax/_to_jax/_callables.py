@@ -1,0 +1,711 @@
+# Every torch callable a torch_call binds: the user's function, and those derived from it.
+#
+# `torch_call_p.bind(*args, fn=fn, options=options)` means "fn(*args), computed by torch".
+# Each rule of torch_call_p that transforms a call binds the same primitive again with a
+# callable derived from the one it received, so the rules compose: jax.vmap(jax.grad(f))
+# is a BatchedFunction of a VjpFunction, jax.hessian(f) a JvpFunction of a VjpFunction,
+# vmap(vmap(f)) a BatchedFunction of a BatchedFunction: one torch call however deep.
+#
+# | callable | computes | made by |
+# |---|---|---|
+# | UserFunction(f) | f(*args, **kwargs), grad mode off | to_jax (compared by identity) |
+# | BatchedFunction(g, in_dims) | torch.func.vmap(g) over g's tensor leaves (per_example: |
+# |   | a loop, for torch.autograd derivatives) | _rule_batching |
+# | LeadingAxisFunction(g, size) | g itself, on inputs with a leading batch axis; only its |
+# |   | types differ (vmap_method "expand_dims"/"broadcast_all") | _rule_batching |
+# | JvpFunction(g, wrt, out_mask, with_primals=True) | g's outputs and the tangents of its |
+# |   | inexact outputs, from one torch.func.jvp | _rule_jvp |
+# | JvpFunction(g, wrt, out_mask) | the tangents alone: linear in the tangents | the splits |
+# |   | of _rule_partial_eval and _rule_batching |
+# | JvpFunction(..., with_residuals=True) | the same, called with a RecordedForward's |
+# |   | residuals (replays its random draws) | linearization |
+# | VjpFunction(g, wrt, out_mask) | cotangents of g's `wrt` leaves (torch.func.vjp, or |
+# |   | torch.autograd.grad where nothing differentiates it again) | _rule_transpose |
+# | VjpFunction(..., with_residuals=True) | the same through the graph the forward kept |
+# |   | (recomputing, with its draws, where the graph is gone) | _rule_transpose |
+# | VjpFunction(..., ct_batch=levels) | the same for a batch of cotangents: one forward, |
+# |   | the pullback vmapped | _rule_batching (jacrev) |
+# | VjpFunction(..., with_tangents=True) | the pullbacks of cotangents and of their |
+# |   | tangents, from one forward (the JVP of a VJP in its cotangents) | _rule_jvp |
+# | RecordedForward(g, wrt, out_mask) | g's outputs, recording the autograd graph for the |
+# |   | VJP; returns the graph's handle and the RNG state as residuals | linearization |
+# | ZerosLike(shape, dtype) | not a callable: a static leaf standing for zeros (a linear |
+# |   | input's point in a generic transpose) | _rule_transpose |
+#
+# Derived callables are frozen dataclasses, so equal transformations give equal params and
+# hit the same caches. Their output types follow from their inner function's (out_types):
+# only the user's function is ever fake-run, once per signature.
+#
+# This module is over 400 lines by design: every callable, and so how every transform is
+# computed in torch, reads in one place. What they share lives beside it: _autograd.py
+# (pullbacks, tape nodes), _vmap.py (torch.func.vmap's steps), _residual.py (kept graphs).
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+
+from torchjax._compat._messages import (
+    is_autodiff_failure,
+    is_fake_limit,
+    is_vmap_failure,
+    lacks_batching_rule,
+    lacks_forward_derivative,
+    needs_setup_context,
+    refuses_randomness,
+    refuses_saved_tensor_hooks,
+    runs_autograd_itself,
+)
+from torchjax._compat._torch import is_functorch_wrapped
+from torchjax._convert import torch_dtype
+from torchjax._errors import (
+    AutodiffError,
+    OutputMismatchError,
+    ShapeInferenceError,
+    TorchJaxError,
+    VmapError,
+)
+from torchjax._to_jax._autograd import (
+    AUTODIFF_HINT,
+    AUTOGRAD_HINT,
+    FORWARD_AD_HINT,
+    autograd_pullback,
+    autograd_pullbacks,
+    batch_sizes,
+    conj,
+    jvp_by_double_vjp,
+    on_tape,
+    outermost,
+    stack_batch,
+)
+from torchjax._to_jax._call_plan import autograd_inside
+from torchjax._to_jax._fake_run import default_torch_device, fake_eval, fake_target, function_name
+from torchjax._to_jax._options import Options
+from torchjax._to_jax._outputs import as_jax_tree
+from torchjax._to_jax._residual import (
+    GRAPHS,
+    KeptGraph,
+    enter_derived_call,
+    exit_derived_call,
+    held_count,
+    recording,
+    replaying,
+    rng_state,
+    rng_state_size,
+    take_held,
+)
+from torchjax._to_jax._torch_call import torch_call_p
+from torchjax._to_jax._vmap import (
+    RANDOMNESS_HINT,
+    VMAP_HINT,
+    as_tensor,
+    beneath_autograd,
+    is_abstract,
+    vmap_call,
+)
+
+_tree = jax.tree_util
+
+
+# -- the user's function ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class UserFunction:
+    """The user's torch function, called as ``fn(*args, **kwargs)``.
+
+    Bound as ``torch_call_p.bind(args, kwargs, fn=UserFunction(...))``. Compared by
+    identity: to_jax makes one per wrapped function, so repeated calls hit jit caches.
+    """
+
+    fn: Callable
+    result_shape_dtypes: Any = None
+    # The primitive's params bound with this function or one derived from it, kept here
+    # rather than in a global cache so that they die with the function (to_jax empties it
+    # when its wrapper dies: the params refer back to this object).
+    bound_params: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    # Torch runs it with grad mode off: JAX does the differentiating, and a graph recorded
+    # for closed-over parameters that require grad would only cost time and memory.
+    grad_mode = False
+
+    @property
+    def name(self) -> str:
+        return function_name(self.fn)
+
+    @property
+    def root(self) -> UserFunction:
+        return self
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        return as_jax_tree(self.fn(*args, **kwargs))
+
+    def arg_path(self, path: tuple) -> str:
+        # bind's args are (args, kwargs): report paths as the user wrote the call.
+        head = "args" if path[0].idx == 0 else "kwargs"
+        return head + _tree.keystr(tuple(path[1:]))
+
+    def out_types(self, options: Options, args: tuple, kwargs: dict) -> Any:
+        del options
+        spec = self.result_shape_dtypes
+        if callable(spec):
+            to_struct = lambda x: (
+                jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.core.ShapedArray) else x
+            )
+            spec = spec(*_tree.tree_map(to_struct, args), **_tree.tree_map(to_struct, kwargs))
+        return _tree.tree_map_with_path(self._declared_leaf, spec)
+
+    def _declared_leaf(self, path: tuple, leaf: Any) -> jax.ShapeDtypeStruct:
+        """A result_shape_dtypes leaf, checked, with JAX's dtype for it (a float64 declared
+        while x64 is off is float32, eagerly as under jit)."""
+        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+        try:
+            if dtype is None:
+                raise TypeError
+            shape = tuple(int(d) for d in shape)
+            dtype = jax.dtypes.canonicalize_dtype(dtype)
+            torch_dtype(dtype)
+        except (TypeError, ValueError):
+            raise OutputMismatchError(
+                f"result_shape_dtypes of {self.name} has a {type(leaf).__name__} at "
+                f"out{_tree.keystr(path)}; every leaf must be a jax.ShapeDtypeStruct(shape, "
+                f"dtype) of a dtype torch has, e.g. jax.ShapeDtypeStruct((3,), jnp.float32)."
+            ) from None
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    def fake_types(self, args: tuple) -> Any:
+        """Output types from one run on fake tensors (of the original, if compiled)."""
+        target = fake_target(self.fn)
+        try:
+            call = lambda a, k: as_jax_tree(target(*a, **k))
+            return fake_eval(call, args, self.name, self.arg_path, state_of=self.fn)
+        except TorchJaxError:
+            raise
+        except Exception as e:
+            if not is_fake_limit(e):
+                raise _theirs(e, self.name) from None
+            raise ShapeInferenceError(
+                f"Could not infer the output shapes of {self.name} by running it on fake "
+                f"tensors (no real data): {type(e).__name__}: {e}\n"
+                f"Fake tensors have no values, so a function whose output shapes depend on "
+                f"its input values, or that reads values (.item(), .tolist(), Python control "
+                f"flow on tensor values, argument validation such as torch.distributions' "
+                f"validate_args), cannot be traced this way. Eager calls run such a function "
+                f"for real; under jax.jit declare its outputs:\n"
+                f"    to_jax(fn, result_shape_dtypes=jax.ShapeDtypeStruct(shape, dtype))\n"
+                f"or a callable mapping the input ShapeDtypeStructs to the outputs."
+            ) from e
+
+    def call_failure(self, error: Exception) -> Exception:
+        """The user's own exception stays theirs: same type and message, with a note."""
+        return _theirs(error, self.name)
+
+
+def _theirs(error: Exception, name: str) -> Exception:
+    note = f"(raised by {name}, called through torchjax)"
+    if note not in getattr(error, "__notes__", ()):
+        error.add_note(note)
+    return error
+
+
+# -- what derived callables share -------------------------------------------------------
+class DerivedFunction:
+    """Base of the torch callables a transformation derives from another one, `inner`.
+
+    They report errors under the user's function (`root`) and name arguments as it does,
+    unless their own arguments are laid out differently (then they override arg_path).
+    Their output types follow from inner's (`out_types`): they are never fake-run.
+    A failure of the call is the transform's (call_failure turns it into VmapError or
+    AutodiffError with advice) only where the machinery raised it; otherwise it is passed
+    to inner, and reaches the user as their own exception.
+    """
+
+    inner: Any
+
+    @property
+    def root(self) -> UserFunction:
+        return self.inner.root
+
+    @property
+    def grad_mode(self) -> bool:
+        return self.inner.grad_mode
+
+    def arg_path(self, path: tuple) -> str:
+        return self.inner.arg_path(path)
+
+    def out_types(self, options: Options, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def call_failure(self, error: Exception) -> Exception:
+        return self.inner.call_failure(error)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZerosLike:
+    """A static leaf standing for zeros of this shape and dtype (a linear input's point)."""
+
+    shape: tuple
+    dtype: np.dtype
+
+
+class _Derivative(DerivedFunction):
+    """Shared plumbing of JvpFunction and VjpFunction: select leaves, name errors."""
+
+    inner: Any
+    wrt: tuple
+    out_mask: tuple
+    grad_method: str
+
+    @property
+    def method(self) -> str:
+        """The grad_method in force: torch.autograd's where the function runs it itself."""
+        return "autograd" if autograd_inside() else self.grad_method
+
+    def arg_path(self, path: tuple) -> str:
+        # Their args are (primals, tangents or cotangents); the primals are inner's args.
+        if path and getattr(path[0], "idx", None) == 0 and len(path) > 1:
+            return self.inner.arg_path(path[1:])
+        return "args" + _tree.keystr(path)
+
+    def _restricted(self, primals: tuple) -> tuple[Any, list]:
+        """(g, x): g(*x) is inner's masked outputs as a function of the `wrt` leaves.
+
+        g returns ``(masked, rest)``, both tensors: the masked outputs, and the others,
+        which torch.func passes through as aux, untouched by the transform.
+        """
+        # This runs on every call: its loops stay in C where they can (map, `in`).
+        leaves, tree = _tree.tree_flatten(primals)
+        device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), None)
+        if ZerosLike in map(type, leaves):
+            leaves = [
+                torch.zeros(x.shape, dtype=torch_dtype(x.dtype), device=device)
+                if isinstance(x, ZerosLike)
+                else x
+                for x in leaves
+            ]
+
+        def g(*diff: torch.Tensor) -> tuple:
+            new = list(leaves)
+            for i, t in zip(self.wrt, diff, strict=True):
+                new[i] = t
+            outs = _tree.tree_leaves(self.inner(*_tree.tree_unflatten(tree, new)))
+            # A Python number output is a constant: as a tensor, its derivative is zero.
+            outs = [o if isinstance(o, torch.Tensor) else as_tensor(o, device) for o in outs]
+            if all(self.out_mask):
+                return tuple(outs), []
+            masked = tuple(o for o, m in zip(outs, self.out_mask, strict=True) if m)
+            return masked, [o for o, m in zip(outs, self.out_mask, strict=True) if not m]
+
+        return g, [leaves[i] for i in self.wrt]
+
+    grad_mode = True  # see _CallPlan: torch.func runs derivatives with grad mode on
+
+    def call_failure(self, error: Exception) -> Exception:
+        text = f"{type(error).__name__}: {error}"
+        if not is_autodiff_failure(error):
+            return self.inner.call_failure(error)  # the function's own exception
+        if self.method == "autograd":
+            hint = AUTOGRAD_HINT
+        elif lacks_forward_derivative(error):
+            hint = FORWARD_AD_HINT
+        else:
+            hint = AUTODIFF_HINT
+        return AutodiffError(hint.format(name=self.root.name, error=text))
+
+
+# -- jax.vmap ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class BatchedFunction(DerivedFunction):
+    """``torch.func.vmap(inner)`` over the tensor leaves of inner's positional args.
+
+    Attributes:
+      inner: the torch callable being batched.
+      in_dims: one int (batched axis) or None per tensor leaf, in flattening order.
+      randomness: torch.func.vmap's randomness policy.
+      loop: call inner once per example instead (a derivative by torch.autograd.grad).
+    """
+
+    inner: Any
+    in_dims: tuple
+    randomness: str
+    per_example: bool = False
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, tree = _tree.tree_flatten(args)
+        positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        if self.per_example or autograd_inside():  # autograd cannot run under torch.func.vmap
+            return self._loop(leaves, tree, positions)
+        try:
+            return self._vmap(leaves, tree, positions)
+        except Exception as e:
+            if runs_autograd_itself(e):
+                raise  # the call runs again with a loop (CallPlan.invoke)
+            if lacks_batching_rule(e):
+                # Composite ops (column_stack) decompose into batchable ones only beneath
+                # an autograd level, as under torch.func.vmap(torch.func.grad(f)).
+                try:
+                    return self._vmap(leaves, tree, positions, decompose=True)
+                except Exception:
+                    raise e from None
+            if is_vmap_failure(e):
+                raise  # torch.func.vmap's own message: call_failure adds the advice
+            # Ambiguous (an in-place op into an unbatched tensor fails with a shape
+            # error): the function's own failure if one example alone fails too.
+            self._one_example(leaves, tree, positions)
+            raise VmapError(self._hint(e)) from e
+
+    def _one_example(self, leaves: list, tree: Any, positions: list) -> None:
+        new = list(leaves)
+        for i, d in zip(positions, self.in_dims, strict=True):
+            if d is not None:
+                if not leaves[i].shape[d]:
+                    return
+                new[i] = leaves[i].select(d, 0)
+        self.inner(*_tree.tree_unflatten(tree, new))
+
+    def _loop(self, leaves: list, tree: Any, positions: list) -> Any:
+        """inner once per example, outputs stacked: for what torch.func.vmap cannot run."""
+        mapped = [(i, d) for i, d in zip(positions, self.in_dims, strict=True) if d is not None]
+        size = leaves[mapped[0][0]].shape[mapped[0][1]]
+        device = leaves[mapped[0][0]].device
+        rows, out_tree = [], None
+        for k in range(size):
+            new = list(leaves)
+            for i, d in mapped:
+                new[i] = leaves[i].select(d, k)
+            out_leaves, out_tree = _tree.tree_flatten(self.inner(*_tree.tree_unflatten(tree, new)))
+            rows.append([as_tensor(o, device) for o in out_leaves])
+        stacked = [torch.stack([r[j] for r in rows]) for j in range(out_tree.num_leaves)]
+        return _tree.tree_unflatten(out_tree, stacked)
+
+    def _vmap(self, leaves: list, tree: Any, positions: list, decompose: bool = False) -> Any:
+        out_tree = []
+        device = leaves[positions[0]].device if positions else None
+        # Only the batched tensors go through vmap's arguments; the others are captured,
+        # which torch.func.vmap treats exactly like in_dims=None, and saves its per-argument
+        # Python work on every call.
+        mapped = [(i, d) for i, d in zip(positions, self.in_dims, strict=True) if d is not None]
+
+        def flat(*tensors: torch.Tensor) -> Any:
+            new = list(leaves)
+            for (i, _), t in zip(mapped, tensors, strict=True):
+                new[i] = t
+            out_leaves, treedef = _tree.tree_flatten(self.inner(*_tree.tree_unflatten(tree, new)))
+            out_tree.append(treedef)
+            out = [x if isinstance(x, torch.Tensor) else as_tensor(x, device) for x in out_leaves]
+            # One output goes back bare: vmap's per-output Python work is per call.
+            return out[0] if len(out) == 1 else tuple(out)
+
+        dims = tuple(d for _, d in mapped)
+        call = beneath_autograd(flat) if decompose else flat
+        out = vmap_call(call, [leaves[i] for i, _ in mapped], dims, self.randomness)
+        return _tree.tree_unflatten(out_tree[-1], [out] if out_tree[-1].num_leaves == 1 else out)
+
+    def out_types(self, options: Options, *args: Any) -> Any:
+        leaves, tree = _tree.tree_flatten(args)
+        dims = iter(self.in_dims)
+        size, unbatched = None, []
+        for x in leaves:
+            d = next(dims) if is_abstract(x) else None
+            if d is not None:
+                size = x.shape[d]
+                x = jax.ShapeDtypeStruct(x.shape[:d] + x.shape[d + 1 :], x.dtype)
+            unbatched.append(x)
+        inner = torch_call_p.abstract_eval(
+            *_tree.tree_unflatten(tree, unbatched), fn=self.inner, options=options
+        )
+        return _tree.tree_map(lambda s: jax.ShapeDtypeStruct((size, *s.shape), s.dtype), inner)
+
+    def call_failure(self, error: Exception) -> Exception:
+        if not is_vmap_failure(error):
+            return self.inner.call_failure(error)  # not vmap's: the function's own, say
+        if self.inner.grad_mode and needs_setup_context(error):
+            return self.inner.call_failure(error)  # torch.func cannot differentiate it
+        return VmapError(self._hint(error))
+
+    def _hint(self, error: Exception) -> str:
+        hint = VMAP_HINT
+        if self.randomness == "error" and refuses_randomness(error):
+            hint = RANDOMNESS_HINT
+        return hint.format(name=self.root.name, error=f"{type(error).__name__}: {error}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeadingAxisFunction(DerivedFunction):
+    """``inner`` called on inputs that all carry a leading batch axis of ``size`` (or 1).
+
+    vmap_method "expand_dims" and "broadcast_all": inner handles the batch axis itself, so
+    the call is inner's own. Only its declared output types differ: result_shape_dtypes
+    describes one example, so they are inner's on the inputs without their leading axis,
+    with ``size`` in front.
+    """
+
+    inner: Any
+    size: int
+
+    def __call__(self, *args: Any) -> Any:
+        return self.inner(*args)
+
+    def out_types(self, options: Options, *args: Any) -> Any:
+        if self.root.result_shape_dtypes is None:
+            # Found types describe what fn does with these very inputs, batch axis and all.
+            return torch_call_p.abstract_eval(*args, fn=self.inner, options=options)
+        leaves, tree = _tree.tree_flatten(args)
+        unbatched = [
+            jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if is_abstract(x) else x for x in leaves
+        ]
+        inner = torch_call_p.abstract_eval(
+            *_tree.tree_unflatten(tree, unbatched), fn=self.inner, options=options
+        )
+        return _tree.tree_map(lambda s: jax.ShapeDtypeStruct((self.size, *s.shape), s.dtype), inner)
+
+
+# -- autodiff ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class JvpFunction(_Derivative):
+    """``(primals, tangents) -> tangents of inner's masked outputs``; linear in tangents.
+
+    With ``with_primals`` it returns inner's outputs too, flat and first: ``(*outputs,
+    *tangents)``, from the one torch.func.jvp that computes both. The JVP rule binds that
+    form; where JAX needs the halves apart (linearize, grad, checkpoint, jacfwd), the
+    rules in _rule_partial_eval.py split it back into the primal call and the linear form.
+
+    ``taped``: the linear form that follows a RecordedForward, called as ``(primals,
+    residuals, tangents)`` with that call's residuals; it replays the forward's random
+    draws, and its transpose pulls back through the kept graph.
+    """
+
+    inner: Any
+    wrt: tuple
+    out_mask: tuple
+    grad_method: str
+    with_primals: bool = False
+    with_residuals: bool = False
+
+    @property
+    def linear(self) -> JvpFunction:
+        return dataclasses.replace(self, with_primals=False)
+
+    def __call__(self, primals: tuple, *rest: tuple) -> tuple:
+        enter_derived_call()  # a module copy the forward runs in stays as it is until the end
+        try:
+            if not self.with_residuals:
+                return self._jvp(primals, rest[0])
+            (_, state), tangents = rest
+            with replaying(_unbatched(state, 1), _device_of(primals)):
+                return self._jvp(primals, tangents)
+        finally:
+            exit_derived_call()
+
+    def _jvp(self, primals: tuple, tangents: tuple) -> tuple:
+        g, x = self._restricted(primals)
+        if self.method == "torch.func":
+            outs, t_outs, rest = torch.func.jvp(g, tuple(x), tuple(tangents), has_aux=True)
+        else:
+            outs, t_outs, rest = jvp_by_double_vjp(g, x, tangents)
+        if not self.with_primals:
+            return tuple(t_outs)
+        done, others = iter(outs), iter(rest)
+        merged = [next(done) if m else next(others) for m in self.out_mask]
+        return (*merged, *t_outs)
+
+    def out_types(self, options: Options, primals: tuple, *rest: tuple) -> tuple:
+        del rest
+        out = torch_call_p.abstract_eval(*primals, fn=self.inner, options=options)
+        every = _tree.tree_leaves(out)
+        masked = tuple(s for s, m in zip(every, self.out_mask, strict=True) if m)
+        return (*every, *masked) if self.with_primals else masked
+
+
+@dataclasses.dataclass(frozen=True)
+class VjpFunction(_Derivative):
+    """``(primals, cotangents) -> cotangents of the wrt leaves``; linear in cotangents.
+
+    ``ct_batch`` holds one entry per jax.vmap over the cotangents alone (jax.jacrev,
+    hessian, the JVP of a VJP with respect to its cotangents), innermost first: the
+    cotangent leaves' batch axes at that level (None where not batched). The forward then
+    runs once, and only the pullback is batched, as torch.func.jacrev does: the function
+    is not re-run under vmap, so random draws, data-dependent code and kernels without a
+    batching rule work. Outputs carry the batch axes in front, outermost first.
+    """
+
+    inner: Any
+    wrt: tuple
+    out_mask: tuple
+    grad_method: str
+    ct_batch: tuple = ()
+    with_residuals: bool = False  # called as (primals, residuals, cotangents): see JvpFunction
+    # Called with two sets of cotangents, (..., cotangents, more): the pullbacks of both from
+    # one forward, (*of cotangents, *of more). The JVP of a VJP in its cotangents.
+    with_tangents: bool = False
+
+    def __call__(self, primals: tuple, *rest: tuple) -> tuple:
+        # A module copy the forward runs in stays as it is until the pullback is done.
+        enter_derived_call()
+        try:
+            return self._call(primals, *rest)
+        finally:
+            exit_derived_call()
+
+    def _call(self, primals: tuple, *rest: tuple) -> tuple:
+        if self.with_tangents:
+            *head, cts, more = rest
+            stacked = tuple(torch.stack([c, m]) for c, m in zip(cts, more, strict=True))
+            both = dataclasses.replace(
+                self, with_tangents=False, ct_batch=(*self.ct_batch, (0,) * len(cts))
+            )
+            out = both._call(primals, *head, stacked)
+            return (*[o[0] for o in out], *[o[1] for o in out])
+        cotangents = rest[-1]
+        # torch pulls back with the conjugate of JAX's cotangent convention for complex
+        # numbers: JAX's vjp(ct) is conj(torch's vjp(conj(ct))). Real leaves are unaffected.
+        if any(map(torch.is_complex, cotangents)):
+            cotangents = tuple(map(conj, cotangents))
+        if self.with_residuals:
+            grads = self._after_taped(primals, rest[0], cotangents)
+        elif self.ct_batch:
+            grads = self._batched_pullback(primals, cotangents)
+        else:
+            grads = self._pullback(primals, cotangents)
+        return tuple(map(conj, grads)) if any(map(torch.is_complex, grads)) else tuple(grads)
+
+    def _after_taped(self, primals: tuple, residuals: tuple, cotangents: tuple) -> tuple:
+        """Through the graph the forward kept, if it is still there and nothing outside
+        differentiates this call; otherwise recompute, replaying the forward's draws."""
+        handle, state = (_unbatched(r, ndim) for r, ndim in zip(residuals, (0, 1), strict=True))
+        graph = GRAPHS.take(int(handle)) if handle is not None and int(handle) else None
+        if graph is not None and not self.ct_batch and outermost((primals, cotangents)):
+            return graph.backward(_tensors_of(primals), self.out_mask, cotangents)
+        with replaying(state, _device_of(primals)):
+            if self.ct_batch:
+                return self._batched_pullback(primals, cotangents)
+            return self._pullback(primals, cotangents)
+
+    def _pullback(self, primals: tuple, cotangents: tuple) -> tuple:
+        g, x = self._restricted(primals)
+        if self.method == "autograd":
+            return autograd_pullback(g, x, cotangents, create_graph=True)
+        if outermost((primals, cotangents)):
+            # Nothing outside this call to differentiate it further: torch.func.vjp would
+            # compute the same with plain autograd, plus its transform's per-op overhead.
+            return autograd_pullback(g, x, cotangents, create_graph=False)
+        _, pullback, _ = torch.func.vjp(g, *x, has_aux=True)
+        return tuple(pullback(tuple(cotangents)))
+
+    def _batched_pullback(self, primals: tuple, cotangents: tuple) -> tuple:
+        """One forward, then the pullback of every cotangent in the batch."""
+        flat, lead = stack_batch(cotangents, self.ct_batch)
+        g, x = self._restricted(primals)
+        if flat[0].shape[0] == 0:  # an empty batch: nothing to pull back
+            return tuple(xi.new_zeros(*lead, *xi.shape) for xi in x)
+        if self.method == "autograd":
+            grads = autograd_pullbacks(g, x, flat)
+        else:
+            _, pullback, _ = torch.func.vjp(g, *x, has_aux=True)
+            grads = vmap_call(lambda *c: tuple(pullback(c)), list(flat), (0,) * len(flat), "error")
+        return tuple(gr.reshape(*lead, *gr.shape[1:]) for gr in grads)
+
+    def out_types(self, options: Options, primals: tuple, *rest: tuple) -> tuple:
+        del options
+        cotangents = rest[-2] if self.with_tangents else rest[-1]
+        leaves = _tree.tree_leaves(primals)
+        lead = batch_sizes([c.shape for c in cotangents], self.ct_batch)
+        out = tuple(
+            jax.ShapeDtypeStruct((*lead, *leaves[i].shape), leaves[i].dtype) for i in self.wrt
+        )
+        return (*out, *out) if self.with_tangents else out
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedForward(_Derivative):
+    """``(*primals) -> (*inner's flat outputs, handle, rng_state)``: the primal half of a
+    call that reverse mode splits (_rule_partial_eval.py), run with autograd recording on the
+    `wrt` leaves. The graph is kept under `handle` (0: none kept, e.g. under a torch.func
+    transform) for the VJP to pull back through; `rng_state` is torch's generator state
+    from before the forward, for a VJP that must recompute. See _residual.py.
+    """
+
+    inner: Any
+    wrt: tuple
+    out_mask: tuple
+    grad_method: str
+    keep_graph: bool = True  # False: the linear half is applied forward, and recomputes
+
+    def arg_path(self, path: tuple) -> str:
+        return self.inner.arg_path(path)  # its args are inner's own
+
+    def __call__(self, *primals: Any) -> tuple:
+        enter_derived_call()
+        try:
+            return self._call(primals)
+        finally:
+            exit_derived_call()
+
+    def _call(self, primals: tuple) -> tuple:
+        tensors = [x for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)]
+        device = tensors[0].device if tensors else default_torch_device()
+        state = rng_state(device).to(device)
+        g, x = self._restricted(primals)
+        handle = 0
+        # A derivative (grad of grad) is differentiated again by torch.func, which does
+        # not take saved-tensor hooks: only the user's own function keeps its graph.
+        if self.keep_graph and outermost(primals) and not self.inner.grad_mode:
+            try:
+                masked, rest, handle = self._keep_graph(g, x, tensors)
+            except RuntimeError as e:
+                if not refuses_saved_tensor_hooks(e):
+                    raise
+                # fn uses torch.func itself: run it again as it is, with the same draws.
+                with replaying(state, device):
+                    masked, rest = g(*x)
+        else:
+            masked, rest = g(*x)
+        done, others = iter(masked), iter(rest)
+        outs = [next(done) if m else next(others) for m in self.out_mask]
+        return (*outs, torch.tensor(handle, dtype=torch.int32, device=device), state)
+
+    def _keep_graph(self, g: Any, x: list, tensors: list) -> tuple:
+        graph = KeptGraph()
+        mark = held_count()
+        with torch.enable_grad(), recording(graph, tensors):
+            graph.leaves = on_tape(x)
+            masked, rest = g(*graph.leaves)
+        if not any(o.requires_grad for o in masked):
+            return masked, rest, 0
+        # What the forward left held (a module copy with this call's tensors) is the
+        # graph's now: its backward may read it again (checkpointing, adjoint solvers).
+        graph.keep_held(take_held(mark), tensors)
+        graph.let_go_of_inputs(tensors, [*masked, *rest])
+        found = iter(masked)
+        graph.outputs = [next(found) if m else None for m in self.out_mask]
+        return masked, rest, GRAPHS.put(graph)
+
+    def out_types(self, options: Options, *primals: Any) -> tuple:
+        out = torch_call_p.abstract_eval(*primals, fn=self.inner, options=options)
+        return (*_tree.tree_leaves(out), *self.residual_types())
+
+    @staticmethod
+    def residual_types() -> tuple:
+        """The types of the graph handle and the RNG state."""
+        size = rng_state_size(default_torch_device())
+        return jax.ShapeDtypeStruct((), np.int32), jax.ShapeDtypeStruct((size,), np.uint8)
+
+
+def _unbatched(t: Any, ndim: int) -> Any:
+    """t if it is a plain tensor of `ndim` dims; None if a torch.func transform wraps it or
+    it carries a batch axis (vmap_method="broadcast_all"): a batch of handles or RNG
+    states has no single graph or generator state to use."""
+    if isinstance(t, torch.Tensor) and t.dim() == ndim:
+        if not is_functorch_wrapped(t):
+            return t
+    return None
+
+
+def _tensors_of(primals: tuple) -> list[torch.Tensor]:
+    return [x for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)]
+
+
+def _device_of(primals: tuple) -> torch.device | None:
+    return next((x.device for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)), None)

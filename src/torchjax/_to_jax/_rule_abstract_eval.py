@@ -1,0 +1,58 @@
+# torch_call's abstract evaluation rule: the output types of a call, without running it.
+#
+# Declared by the user (result_shape_dtypes), found by one run on fake tensors (the user's
+# function, once per signature: see _fake_run.py), or derived from the inner function's
+# types (every derived callable: its out_types). Inputs are checked here too: a dtype torch
+# has no equivalent of, a torch tensor where a JAX array belongs.
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import torch
+
+from torchjax._convert import SUPPORTED_DTYPES, torch_dtype
+from torchjax._errors import ConversionError
+from torchjax._to_jax._callables import DerivedFunction
+from torchjax._to_jax._options import Options
+
+_tree = jax.tree_util
+
+DTYPES_OK: set = set()  # input dtypes known to convert
+
+
+def check_input_dtype(where: str, dtype: Any) -> None:
+    try:
+        torch_dtype(dtype)
+    except ConversionError:
+        is_key = jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+        hint = "Pass jax.random.key_data(key) instead. " if is_key else ""
+        raise ConversionError(
+            f"{where} has dtype {dtype}, which torch has no equivalent of. "
+            f"{hint}Cast it to one of: {SUPPORTED_DTYPES}."
+        ) from None
+    DTYPES_OK.add(dtype)
+
+
+def abstract_eval(*args: Any, fn: Any, options: Options) -> Any:
+    """Output types of ``fn(*args)``: declared by the user, found on fake tensors (the
+    user's function), or derived from the inner function's (every derived function)."""
+    for path, leaf in _tree.tree_flatten_with_path(args)[0]:
+        if isinstance(leaf, jax.core.ShapedArray) and leaf.dtype not in DTYPES_OK:
+            check_input_dtype(fn.arg_path(path), leaf.dtype)
+    if isinstance(fn, DerivedFunction):
+        return fn.out_types(options, *args)
+    check_no_tensor(fn, args)
+    if fn.result_shape_dtypes is not None:
+        return fn.out_types(options, *args)
+    return fn.fake_types(args)
+
+
+def check_no_tensor(fn: Any, args: tuple) -> None:
+    for path, leaf in _tree.tree_flatten_with_path(args)[0]:
+        if isinstance(leaf, torch.Tensor):
+            raise ConversionError(
+                f"{fn.arg_path(path)} is a torch.Tensor; functions made by to_jax take JAX "
+                f"arrays where the torch function takes tensors. Convert it with "
+                f"torchjax.tree_to_jax, or close over it in the torch function."
+            )

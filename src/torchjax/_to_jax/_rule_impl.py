@@ -1,0 +1,212 @@
+# torch_call's eager rule: DLPack the JAX inputs to torch, call fn, DLPack the outputs back.
+#
+# A typed call (its output types known: declared, or derived from the inner function's)
+# runs through the signature's call plan, which checks every output. The user's own
+# function needs no types before an eager call: it has data, so it runs for real at once
+# and its outputs give the types (no fake run, nothing a fake run could leave behind); its
+# next calls try a typed plan made from those and fall back where their outputs differ.
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import torch
+
+from torchjax._compat._jax import array_committed, sharding_device
+from torchjax._compat._torch import is_fake
+from torchjax._convert import ArrayImpl, array_to_tensor, torch_dtype
+from torchjax._errors import ConversionError
+from torchjax._primitive._params import ARRAY, eager_type, store
+from torchjax._to_jax._call_plan import (
+    CallPlan,
+    fake_output_error,
+    number_tensor,
+    plain,
+    plan_for,
+    to_jax_outputs,
+)
+from torchjax._to_jax._callables import UserFunction
+from torchjax._to_jax._fake_run import fake_runs, output_struct, real_mode
+from torchjax._to_jax._rule_abstract_eval import DTYPES_OK, check_input_dtype, check_no_tensor
+
+_SingleDevice = jax.sharding.SingleDeviceSharding
+_tree = jax.tree_util
+
+
+class Untyped:
+    """An eager signature without output types found beforehand: each call runs for real,
+    keeping per-signature work (its plans) in ``memo``."""
+
+    __slots__ = ("memo",)
+
+    def __init__(self) -> None:
+        self.memo: dict = {}
+
+
+def bind_eager(
+    prim: Any, operands: list, in_tree: Any, statics: tuple, bound: Any, x64: Any
+) -> Any:
+    """An eager call of torch_call_p (TorchCallPrimitive._bind_eager): the user's function
+    without declared types runs for real at once; any other call finds its signature by
+    abstract eval and runs its typed plan."""
+    key = (in_tree, statics, x64.value, *[eager_type(x) for x in operands])
+    signature = bound.eager_signatures.get(key)
+    if signature is None:
+        fn = dict(bound.items)["fn"]
+        if type(fn) is UserFunction and fn.result_shape_dtypes is None:
+            signature = Untyped()
+        else:
+            avals = tuple(jax.typeof(x) for x in operands)
+            signature = prim._signature(bound, in_tree, statics, avals)
+        store(bound.eager_signatures, key, signature)
+    if type(signature) is Untyped:
+        return real_run(operands, in_tree, statics, bound.items, signature.memo)
+    out_flat = impl(
+        operands, in_tree=in_tree, statics=statics, signature=signature, params=bound.items
+    )
+    return _tree.tree_unflatten(signature.out_tree, out_flat)
+
+
+def _eagerplan_for(in_tree: Any, statics: tuple, signature: Any, params: tuple) -> CallPlan:
+    """The call plan of an eager signature, built on its first call and kept in its memo."""
+    plan = signature.memo.get("plan")
+    if plan is None:
+        fn = dict(params)["fn"]
+        structs, out_tree = _tree.tree_flatten(signature.out_types)
+        plan = signature.memo["plan"] = plan_for(fn, in_tree, statics, tuple(structs), out_tree)
+    return plan
+
+
+def impl(operands: tuple, *, in_tree: Any, statics: tuple, signature: Any, params: tuple) -> list:
+    """Eager: DLPack the JAX inputs to torch, call fn, DLPack the outputs back.
+
+    The plan checks every output's shape and dtype, so the flat outputs need no re-check.
+    """
+    if fake_runs.depth or torch.is_inference_mode_enabled():
+        return _impl_in_plain_mode(operands, in_tree, statics, signature, params)
+    plan = _eagerplan_for(in_tree, statics, signature, params)
+    device = None
+    for x in operands:
+        if type(x) is ArrayImpl and array_committed(x):
+            device = _committed_device(operands, plan)
+            break
+    return to_jax_outputs(plan(_tensors(operands, plan)), plan.out_paths, device)
+
+
+def _tensors(operands: Any, plan: CallPlan) -> list[torch.Tensor]:
+    try:
+        return [array_to_tensor(x) for x in operands]
+    except ConversionError:
+        for k, x in enumerate(operands):  # raise again, naming the argument
+            if getattr(x, "dtype", None) is not None and x.dtype not in DTYPES_OK:
+                check_input_dtype(plan.input_path(k), x.dtype)
+            array_to_tensor(x, plan.input_path(k))
+        raise
+
+
+def _committed_device(operands: Any, plan: CallPlan) -> Any:
+    """The device eager outputs go to: that of the inputs committed to one (as JAX puts
+    its own results), or None (JAX's default CPU device) where none is."""
+    device = None
+    for k, x in enumerate(operands):
+        if type(x) is ArrayImpl and array_committed(x):
+            d = sharding_device(x.sharding) if type(x.sharding) is _SingleDevice else None
+            if device is None:
+                device = d
+            elif d is not device:
+                raise ConversionError(
+                    f"{plan.input_path(k)} is committed to {d}, but an earlier argument to "
+                    f"{plan.name} is committed to {device}. Put the arguments on one device "
+                    f"(jax.device_put)."
+                )
+    return device
+
+
+def _impl_in_plain_mode(operands, in_tree, statics, signature, params) -> list:
+    """The eager impl outside torch's inference mode (whose tensors have no version counter
+    for the in-place check; the outputs are ordinary arrays either way) and outside an
+    enclosing fake run (a wrapped function calling another one while its types are found:
+    the inner call has real data and runs for real)."""
+    with real_mode(), torch.inference_mode(False):
+        depth, fake_runs.depth = fake_runs.depth, 0
+        try:
+            return impl(
+                operands, in_tree=in_tree, statics=statics, signature=signature, params=params
+            )
+        finally:
+            fake_runs.depth = depth
+
+
+def real_run(operands: list, in_tree: Any, statics: tuple, params: tuple, memo: dict) -> Any:
+    """An eager call of the user's function without output types: run it for real and
+    take the types from the outputs.
+
+    The call runs behind the same in-place guard as any other (its inputs refuse writes),
+    with plans kept in the signature's `memo`: the first call's outputs give a typed plan
+    that later calls try first (the checks of a typed call, no output tree to walk),
+    falling back to the untyped path where outputs differ (their shapes may depend on the
+    values). A failure of the run is fn's own.
+    """
+    if fake_runs.depth or torch.is_inference_mode_enabled():
+        with real_mode(), torch.inference_mode(False):
+            depth, fake_runs.depth = fake_runs.depth, 0
+            try:
+                return real_run(operands, in_tree, statics, params, memo)
+            finally:
+                fake_runs.depth = depth
+    typed = memo.get("typed")
+    plan = typed or memo.get("plan")
+    if plan is None:
+        # What abstract eval (and the fake run) would have checked, once per signature.
+        fn = dict(params)["fn"]
+        args = _tree.tree_unflatten(in_tree, _fill(statics, operands))
+        check_no_tensor(fn, args)
+        check = getattr(fn.fn, "check_signature", None) if type(fn) is UserFunction else None
+        if check is not None:
+            check(*args[0], **args[1])
+        plan = memo["plan"] = plan_for(fn, in_tree, statics, (), None)
+    device = None
+    for x in operands:
+        if type(x) is ArrayImpl and array_committed(x):
+            device = _committed_device(operands, plan)
+            break
+    tensors = _tensors(operands, plan)
+    if typed is not None:
+        results = typed.run(tensors, strict=False)
+        if type(results) is list:
+            return _tree.tree_unflatten(
+                typed.out_tree, to_jax_outputs(results, typed.out_paths, device)
+            )
+        box = results[1]
+    else:
+        box = [plan.invoke(tensors)]
+    results, out_tree, paths = _typed_outputs(plan, box)
+    outs = to_jax_outputs(results, paths, device)
+    if "typed" not in memo:
+        structs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
+        memo["typed"] = plan_for(plan.fn, in_tree, statics, tuple(structs), out_tree)
+    return _tree.tree_unflatten(out_tree, outs)
+
+
+def _fill(statics: tuple, operands: tuple) -> list:
+    it = iter(operands)
+    return [next(it) if s is ARRAY else s for s in statics]
+
+
+def _typed_outputs(plan: CallPlan, box: list) -> tuple[list, Any, list]:
+    """fn's flat outputs as tensors, with their structure and paths; raises for what is
+    not an array. `box` holds fn's raw output, and is emptied."""
+    flat, out_tree = _tree.tree_flatten_with_path(box.pop())
+    results, paths = [], []
+    while flat:  # popped, so that each output's references are all in `results`
+        path, leaf = flat.pop(0)
+        where = "out" + _tree.keystr(path)
+        struct = output_struct(path, leaf, plan.name)
+        if not isinstance(leaf, torch.Tensor):
+            leaf = number_tensor(leaf, torch_dtype(struct.dtype), where)
+        elif is_fake(leaf):
+            raise fake_output_error(plan.name, where)
+        results.append(plain(leaf))
+        paths.append(where)
+        del leaf
+    return results, out_tree, paths
