@@ -57,7 +57,7 @@ def check_sharded_input_without_shard_map():
     np.testing.assert_allclose(jax.jit(f)(x), 2 * np.sin(np.arange(16.0)), rtol=1e-6)
     try:
         f(x)
-    except torchjax._errors.ConversionError as e:
+    except torchjax.errors.ConversionError as e:
         assert "shard_map" in str(e), e
     else:
         raise AssertionError("eager call on a sharded array should raise")

@@ -39,7 +39,7 @@ from torch.testing._internal.opinfo.core import DecorateInfo, OpInfo
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchjax
-from torchjax._errors import ShapeInferenceError
+from torchjax.errors import ShapeInferenceError
 
 TRANSFORMS = ("eager", "jit", "vmap", "vjp", "jvp", "hessian", "jacrev_jacrev", "vmap_grad")
 PASS, MISMATCH, ERROR, SKIP = "pass", "mismatch", "error", "skip"

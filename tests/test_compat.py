@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 import torch
 
+pytestmark = pytest.mark.core  # the version matrix runs this module
+
 SRC = Path(__file__).resolve().parent.parent / "src" / "torchjax"
 
 COMPAT = SRC / "_compat"

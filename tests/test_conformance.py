@@ -19,6 +19,8 @@ import torch
 
 import torchjax
 
+pytestmark = pytest.mark.slow  # leave out with -m 'not slow'
+
 OPS = [
     # pointwise
     "sin",
@@ -133,7 +135,7 @@ def test_harness_reports_wrong_shapes(monkeypatch):
 def test_harness_reports_torchjax_errors(monkeypatch):
     def to_jax(fn, **kwargs):
         def f(*args):
-            raise torchjax._errors.VmapError("broken on purpose")
+            raise torchjax.errors.VmapError("broken on purpose")
 
         return f
 

@@ -11,15 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import tree_close
 from torch._subclasses.fake_tensor import is_fake
 
 import torchjax
-
-
-def _close(actual: Any, expected: Any, rtol: float = 1e-4, atol: float = 1e-5) -> None:
-    jax.tree.map(
-        lambda a, e: np.testing.assert_allclose(a, e, rtol=rtol, atol=atol), actual, expected
-    )
 
 
 def _jit_or_not(jit: bool):
@@ -66,14 +61,14 @@ def test_scan_rnn_cell(jit):
     p, h0, xs = _rnn_data()
     wrap = _jit_or_not(jit)
     loss_t, loss_j = _rnn_loss(torchjax.to_jax(_cell_torch)), _rnn_loss(_cell_jax)
-    _close(wrap(loss_t)(p, h0, xs), loss_j(p, h0, xs))
+    tree_close(wrap(loss_t)(p, h0, xs), loss_j(p, h0, xs))
     g = wrap(jax.grad(loss_t, argnums=(0, 1, 2)))(p, h0, xs)
-    _close(g, jax.jit(jax.grad(loss_j, argnums=(0, 1, 2)))(p, h0, xs))
+    tree_close(g, jax.jit(jax.grad(loss_j, argnums=(0, 1, 2)))(p, h0, xs))
     # forward mode through the scan (one torch.func.jvp per step), and linearize
     tangents = jax.tree.map(jnp.ones_like, (p, h0, xs))
     jvp = lambda loss: lambda *a: jax.jvp(loss, a, tangents)
-    _close(wrap(jvp(loss_t))(p, h0, xs), jvp(loss_j)(p, h0, xs))
-    _close(jax.linearize(loss_t, p, h0, xs)[1](*tangents), jvp(loss_j)(p, h0, xs)[1])
+    tree_close(wrap(jvp(loss_t))(p, h0, xs), jvp(loss_j)(p, h0, xs))
+    tree_close(jax.linearize(loss_t, p, h0, xs)[1](*tangents), jvp(loss_j)(p, h0, xs)[1])
 
 
 def test_scan_rnn_cell_is_one_call_per_step():
@@ -93,7 +88,7 @@ def test_vmap_of_scan():
     p, h0, xs = _rnn_data()
     batch = jnp.stack([xs, -xs, 2 * xs])
     f = lambda cell: jax.vmap(_rnn_loss(cell), in_axes=(None, None, 0))
-    _close(jax.jit(f(torchjax.to_jax(_cell_torch)))(p, h0, batch), f(_cell_jax)(p, h0, batch))
+    tree_close(jax.jit(f(torchjax.to_jax(_cell_torch)))(p, h0, batch), f(_cell_jax)(p, h0, batch))
 
 
 # -- scan: an Euler integrator -----------------------------------------------------------
@@ -123,12 +118,12 @@ def test_scan_euler_integrator(jit):
     y0, theta = jnp.array([1.0, 0.0]), jnp.array([9.81, 0.3])
     solve_t, solve_j = _euler(torchjax.to_jax(_pendulum_torch)), _euler(_pendulum_jax)
     wrap = _jit_or_not(jit)
-    _close(wrap(solve_t)(y0, theta), solve_j(y0, theta))
-    _close(
+    tree_close(wrap(solve_t)(y0, theta), solve_j(y0, theta))
+    tree_close(
         wrap(jax.jacrev(solve_t, argnums=(0, 1)))(y0, theta),
         jax.jit(jax.jacrev(solve_j, argnums=(0, 1)))(y0, theta),
     )
-    _close(
+    tree_close(
         wrap(jax.jacfwd(solve_t, argnums=1))(y0, theta), jax.jacfwd(solve_j, argnums=1)(y0, theta)
     )
 
@@ -150,17 +145,17 @@ def test_cond(sign, jit):
     f = _branches(torchjax.to_jax(torch.sin), torchjax.to_jax(torch.cos))
     fj = _branches(jnp.sin, jnp.cos)
     wrap = _jit_or_not(jit)
-    _close(wrap(f)(x), fj(x))
+    tree_close(wrap(f)(x), fj(x))
     expected = jax.grad(fj)(x)
     assert not np.allclose(expected, 0)
-    _close(wrap(jax.grad(f))(x), expected)
+    tree_close(wrap(jax.grad(f))(x), expected)
 
 
 def test_vmap_of_cond_takes_both_branches():
     f = _branches(torchjax.to_jax(torch.sin), torchjax.to_jax(torch.cos))
     fj = _branches(jnp.sin, jnp.cos)
     xs = jnp.array([[0.3, 0.5], [-0.3, -0.5]])
-    _close(jax.jit(jax.vmap(jax.grad(f)))(xs), jax.vmap(jax.grad(fj))(xs))
+    tree_close(jax.jit(jax.vmap(jax.grad(f)))(xs), jax.vmap(jax.grad(fj))(xs))
 
 
 # -- while_loop (forward) ----------------------------------------------------------------
@@ -183,14 +178,14 @@ def test_while_loop(jit):
     step_j = lambda x: x * 1.5 + jnp.sin(x)
     x = jnp.array([0.3, -0.2, 0.5])
     wrap = _jit_or_not(jit)
-    _close(wrap(_iterate(step_t))(x), _iterate(step_j)(x))
+    tree_close(wrap(_iterate(step_t))(x), _iterate(step_j)(x))
     t = jnp.array([1.0, 0.0, -1.0])
-    _close(
+    tree_close(
         wrap(lambda x, t: jax.jvp(_iterate(step_t), (x,), (t,)))(x, t)[1][1],
         jax.jvp(_iterate(step_j), (x,), (t,))[1][1],
     )
     xs = jnp.stack([x, 4 * x, -x])  # different trip counts per example
-    _close(wrap(jax.vmap(_iterate(step_t)))(xs), jax.vmap(_iterate(step_j))(xs))
+    tree_close(wrap(jax.vmap(_iterate(step_t)))(xs), jax.vmap(_iterate(step_j))(xs))
 
 
 # -- checkpoint --------------------------------------------------------------------------
@@ -202,8 +197,8 @@ def test_checkpoint(jit):
     ck = lambda s: jax.checkpoint(lambda x: (s(s(x)) * x).sum())
     x = jnp.array([0.3, -0.8, 1.2])
     wrap = _jit_or_not(jit)
-    _close(wrap(jax.grad(ck(sin_t)))(x), jax.grad(ck(jnp.sin))(x))
-    _close(wrap(jax.hessian(ck(sin_t)))(x), jax.jit(jax.hessian(ck(jnp.sin)))(x))
+    tree_close(wrap(jax.grad(ck(sin_t)))(x), jax.grad(ck(jnp.sin))(x))
+    tree_close(wrap(jax.hessian(ck(sin_t)))(x), jax.jit(jax.hessian(ck(jnp.sin)))(x))
 
 
 def _counted_sin() -> tuple[Any, list]:
@@ -223,7 +218,7 @@ def test_checkpoint_recomputes_in_torch():
     x = jnp.array([0.3, -0.8, 1.2])
     plain = jax.grad(lambda x: (f(f(x)) * x).sum())
     remat = jax.grad(jax.checkpoint(lambda x: (f(f(x)) * x).sum()))
-    _close(remat(x), plain(x))
+    tree_close(remat(x), plain(x))
     calls.clear()
     plain(x)
     assert len(calls) == 2  # two forward calls; the VJPs pull back through their graphs
@@ -241,7 +236,7 @@ def test_checkpoint_policy_that_saves_runs_no_torch_call_twice():
     x = jnp.array([0.3, -0.8, 1.2])
     loss = lambda x: (f(f(x)) * x).sum()
     saving = jax.grad(jax.checkpoint(loss, policy=jax.checkpoint_policies.everything_saveable))
-    _close(saving(x), jax.grad(lambda x: (jnp.sin(jnp.sin(x)) * x).sum())(x))
+    tree_close(saving(x), jax.grad(lambda x: (jnp.sin(jnp.sin(x)) * x).sum())(x))
     calls.clear()
     saving(x)
     assert len(calls) == 4  # two forward calls, two VJP calls: the outputs were saved
@@ -265,5 +260,5 @@ def test_scan_inside_checkpoint(policy):
 
     x = jnp.array([0.3, -0.2, 0.5])
     sin_t = torchjax.to_jax(torch.sin)
-    _close(jax.jit(jax.grad(loss(sin_t)))(x), jax.grad(loss(jnp.sin))(x))
-    _close(jax.jit(jax.hessian(loss(sin_t)))(x), jax.hessian(loss(jnp.sin))(x))
+    tree_close(jax.jit(jax.grad(loss(sin_t)))(x), jax.grad(loss(jnp.sin))(x))
+    tree_close(jax.jit(jax.hessian(loss(sin_t)))(x), jax.hessian(loss(jnp.sin))(x))

@@ -22,7 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchjax
-from torchjax._errors import ConversionError
+from torchjax.errors import ConversionError
+
+pytestmark = pytest.mark.core  # the version matrix runs this module
 
 BF16 = np.dtype(jnp.bfloat16)
 
@@ -57,18 +59,6 @@ SUPPORTED = re.escape(
 
 def _id(x: Any) -> str:
     return str(x).removeprefix("torch.")
-
-
-@pytest.fixture
-def x64_off():
-    with jax.enable_x64(False):
-        yield
-
-
-@pytest.fixture
-def x64_on():
-    with jax.enable_x64(True):
-        yield
 
 
 # --------------------------------------------------------------------------- references
@@ -311,7 +301,7 @@ def test_grid_jax_to_torch(x64_off, dtype, shape):
 
 @pytest.mark.parametrize("shape", [(), (3, 0), (2, 3, 4)], ids=str)
 @pytest.mark.parametrize("dtype", WIDE, ids=_id)
-def test_grid_64_bit_with_x64(x64_on, dtype, shape):
+def test_grid_64_bit_with_x64(x64, dtype, shape):
     ref = reference(dtype, shape, fit=dtype)
     t = torch_from_reference(ref)
     out = torchjax.tree_to_jax(t)
@@ -507,7 +497,7 @@ def test_x64_off_numpy_out_of_range_raises(x64_off):
         torchjax.tree_to_jax({"x": np.array([1e300])})
 
 
-def test_x64_on_keeps_extreme_values(x64_on):
+def test_x64_on_keeps_extreme_values(x64):
     cases = {
         torch.int64: [2**40, -(2**63), 2**63 - 1],
         torch.uint64: [2**64 - 1, 2**40],
@@ -637,7 +627,7 @@ TREES = st.recursive(
 )
 
 
-@pytest.mark.parametrize("x64", [False, True], ids=["x64_off", "x64_on"])
+@pytest.mark.parametrize("x64", [False, True], ids=["x64_off", "x64"])
 @settings(max_examples=50, deadline=None)
 @given(tree=TREES)
 def test_round_trip_random_trees(x64, tree):

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 import torch
+from helpers import Cube
 
 import torchjax
 import torchjax.errors as errors
@@ -43,12 +44,6 @@ def test_every_error_class_is_public_and_derives_from_the_base():
     }
     assert private == set(PUBLIC + WARNINGS)
     assert torchjax.errors is errors  # reachable as an attribute after `import torchjax`
-
-
-def test_variables_error_still_importable_from_module():
-    from torchjax._module_to_jax._module_to_jax import VariablesError
-
-    assert VariablesError is errors.VariablesError
 
 
 # Each case provokes the error the way a user would meet it.
@@ -99,19 +94,8 @@ def _vmap():
     jax.vmap(f)(jnp.ones((2, 3)))
 
 
-class _OldStyle(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):  # old style: ctx in forward, no setup_context
-        ctx.save_for_backward(x)
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 2
-
-
 def _autodiff():  # forward mode: torch.func cannot transform an old-style Function
-    f = torchjax.to_jax(lambda t: _OldStyle.apply(t).sum())
+    f = torchjax.to_jax(lambda t: Cube.apply(t).sum())
     jax.jvp(f, (jnp.ones(3),), (jnp.ones(3),))
 
 

@@ -19,6 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
+pytestmark = pytest.mark.slow  # leave out with -m 'not slow'
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 TIMEOUT_S = 600

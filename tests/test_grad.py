@@ -16,24 +16,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import Cube, Square, tree_close
 from jax.test_util import check_grads
 
 import torchjax
-from torchjax._errors import AutodiffError
+from torchjax.errors import AutodiffError
+
+pytestmark = pytest.mark.core  # the version matrix runs this module
 
 BOTH = ("fwd", "rev")
-
-
-@pytest.fixture
-def x64():
-    with jax.enable_x64(True):
-        yield
-
-
-def _close(actual: Any, expected: Any, rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    jax.tree.map(
-        lambda a, e: np.testing.assert_allclose(a, e, rtol=rtol, atol=atol), actual, expected
-    )
 
 
 def _normal(seed: int, *shape: int, dtype: Any = jnp.float64) -> jax.Array:
@@ -97,8 +88,8 @@ def test_grad_matches_jax_numpy():
     f = torchjax.to_jax(lambda x, y: (torch.sin(x) @ y).pow(2).sum())
     fj = lambda x, y: ((jnp.sin(x) @ y) ** 2).sum()
     x, y = _normal(0, 3, 4, dtype=jnp.float32), _normal(1, 4, 2, dtype=jnp.float32)
-    _close(jax.grad(f, argnums=(0, 1))(x, y), jax.grad(fj, argnums=(0, 1))(x, y), rtol=1e-4)
-    _close(
+    tree_close(jax.grad(f, argnums=(0, 1))(x, y), jax.grad(fj, argnums=(0, 1))(x, y), rtol=1e-4)
+    tree_close(
         jax.jit(jax.grad(f, argnums=(0, 1)))(x, y), jax.grad(fj, argnums=(0, 1))(x, y), rtol=1e-4
     )
 
@@ -119,7 +110,7 @@ def test_integer_inputs_get_float0_cotangents():
     f = torchjax.to_jax(lambda x, n: (x * n.to(x.dtype)).sum() + n.sum())
     x, n = jnp.array([0.5, 1.5, -2.0]), jnp.array([1, 2, 3])
     gx, gn = jax.grad(f, argnums=(0, 1), allow_int=True)(x, n)
-    _close(gx, np.array([1.0, 2.0, 3.0]))
+    tree_close(gx, np.array([1.0, 2.0, 3.0]))
     assert gn.dtype == jax.dtypes.float0 and gn.shape == (3,)
     with pytest.raises(TypeError, match="allow_int"):
         jax.grad(f, argnums=1)(x, n)
@@ -129,7 +120,7 @@ def test_mixed_pytree_input_with_int_and_static_leaves():
     f = torchjax.to_jax(lambda d, k: (d["w"] * d["idx"].to(d["w"].dtype) ** k).sum())
     d = {"w": jnp.array([1.0, 2.0]), "idx": jnp.array([3, 4])}
     g = jax.grad(lambda w: f({"w": w, "idx": d["idx"]}, 2))(d["w"])
-    _close(g, np.array([9.0, 16.0]))
+    tree_close(g, np.array([9.0, 16.0]))
 
 
 def test_vjp_with_several_pytree_outputs():
@@ -140,45 +131,33 @@ def test_vjp_with_several_pytree_outputs():
     x, y = jnp.array([0.1, -0.7, 2.0]), jnp.array([1.0, 3.0, -2.0])
     out, pullback = jax.vjp(f, x, y)
     out_j, pullback_j = jax.vjp(fj, x, y)
-    _close(out, out_j)
+    tree_close(out, out_j)
     ct = {
         "p": jnp.array([1.0, -1.0, 0.5]),
         "q": (jnp.float32(2.0), np.zeros((), jax.dtypes.float0)),
         "r": np.zeros((3,), jax.dtypes.float0),
     }
-    _close(pullback(ct), pullback_j(ct))
+    tree_close(pullback(ct), pullback_j(ct))
 
 
 def test_grad_of_one_output_among_many():
     f = torchjax.to_jax(lambda x: (torch.exp(x), torch.cos(x), x.sum()))
     x = jnp.array([0.3, -0.2])
-    _close(jax.grad(lambda x: f(x)[1].sum())(x), -jnp.sin(x))
-    _close(jax.jit(jax.grad(lambda x: f(x)[2] + f(x)[0][0]))(x), jnp.array([1 + jnp.exp(0.3), 1]))
+    tree_close(jax.grad(lambda x: f(x)[1].sum())(x), -jnp.sin(x))
+    tree_close(
+        jax.jit(jax.grad(lambda x: f(x)[2] + f(x)[0][0]))(x), jnp.array([1 + jnp.exp(0.3), 1])
+    )
 
 
 def test_output_not_depending_on_the_input_has_zero_grad():
     f = torchjax.to_jax(lambda x, y: (y * 2).sum() + 0 * x.sum())
     g = torchjax.to_jax(lambda x, y: (y * 2).sum())
     x = jnp.arange(3.0)
-    _close(jax.grad(f)(x, x), np.zeros(3))
-    _close(jax.grad(g)(x, x), np.zeros(3))
+    tree_close(jax.grad(f)(x, x), np.zeros(3))
+    tree_close(jax.grad(g)(x, x), np.zeros(3))
 
 
 # -- grad_method="autograd" --------------------------------------------------------------
-
-
-class Cube(torch.autograd.Function):
-    """Old style: forward takes ctx, no setup_context. torch.func cannot transform it."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x**3
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * 3 * x**2
 
 
 def _cube_sum(x):
@@ -194,11 +173,11 @@ def test_old_style_function_is_what_torch_func_refuses():
 def test_default_grad_method_names_autograd():
     f = torchjax.to_jax(_cube_sum)
     x = jnp.array([0.5, -1.0, 2.0])
-    _close(f(x), (x**3).sum())
+    tree_close(f(x), (x**3).sum())
     # A first-order VJP that nothing differentiates again runs on plain autograd, which
     # takes old-style Functions; what needs torch.func fails and names the way out.
-    _close(jax.grad(f)(x), 3 * x**2)
-    _close(jax.jit(jax.grad(f))(x), 3 * x**2)
+    tree_close(jax.grad(f)(x), 3 * x**2)
+    tree_close(jax.jit(jax.grad(f))(x), 3 * x**2)
     hint = re.escape("grad_method='autograd'")
     with pytest.raises(AutodiffError, match=hint):
         jax.jvp(f, (x,), (x,))
@@ -211,20 +190,20 @@ def test_default_grad_method_names_autograd():
 def test_autograd_grad_method_differentiates_old_style_function():
     f = torchjax.to_jax(_cube_sum, grad_method="autograd")
     x = jnp.array([0.5, -1.0, 2.0])
-    _close(jax.grad(f)(x), 3 * x**2)
-    _close(jax.jit(jax.grad(f))(x), 3 * x**2)
+    tree_close(jax.grad(f)(x), 3 * x**2)
+    tree_close(jax.jit(jax.grad(f))(x), 3 * x**2)
     _, t = jax.jvp(f, (x,), (jnp.array([1.0, 0.0, -1.0]),))
-    _close(t, 3 * 0.25 - 3 * 4.0)
+    tree_close(t, 3 * 0.25 - 3 * 4.0)
     _, t = jax.jit(lambda x, t: jax.jvp(f, (x,), (t,)))(x, jnp.ones(3))
-    _close(t, (3 * x**2).sum())
+    tree_close(t, (3 * x**2).sum())
 
 
 def test_autograd_second_order_old_style_function():
     # Second order needs Cube.backward to be differentiable, which it is (plain torch ops).
     f = torchjax.to_jax(_cube_sum, grad_method="autograd", vmap_method="sequential")
     x = jnp.array([0.5, -1.0, 2.0])
-    _close(jax.grad(lambda x: jax.grad(f)(x).sum())(x), 6 * x)
-    _close(jax.jit(jax.hessian(f))(x), jnp.diag(6 * x))
+    tree_close(jax.grad(lambda x: jax.grad(f)(x).sum())(x), 6 * x)
+    tree_close(jax.jit(jax.hessian(f))(x), jnp.diag(6 * x))
 
 
 def test_autograd_check_grads_order_2(x64):
@@ -239,18 +218,18 @@ def test_autograd_higher_derivatives_are_not_cut():
     # second derivative came out as zeros.
     f = torchjax.to_jax(lambda x: (x**3).sum(), grad_method="autograd")
     x = jnp.array([0.5, -1.0, 2.0])
-    _close(jax.grad(lambda x: jax.grad(f)(x).sum())(x), 6 * x)
-    _close(jax.jvp(jax.grad(f), (x,), (jnp.ones(3),))[1], 6 * x)
-    _close(jax.grad(lambda x: jax.jvp(f, (x,), (jnp.ones(3),))[1])(x), 6 * x)
+    tree_close(jax.grad(lambda x: jax.grad(f)(x).sum())(x), 6 * x)
+    tree_close(jax.jvp(jax.grad(f), (x,), (jnp.ones(3),))[1], 6 * x)
+    tree_close(jax.grad(lambda x: jax.jvp(f, (x,), (jnp.ones(3),))[1])(x), 6 * x)
 
 
 def test_autograd_output_independent_of_input():
     # Regression: torch.autograd.grad refused outputs that do not depend on the inputs.
     f = torchjax.to_jax(lambda x, y: (y * 2, (x**2).sum()), grad_method="autograd")
     x, y = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
-    _close(jax.grad(lambda x: f(x, y)[0].sum())(x), np.zeros(2))
-    _close(jax.jvp(lambda x: f(x, y), (x,), (jnp.ones(2),))[1], (np.zeros(2), 6.0))
-    _close(jax.grad(lambda x: f(x, y)[1] + f(x, y)[0].sum())(x), 2 * x)
+    tree_close(jax.grad(lambda x: f(x, y)[0].sum())(x), np.zeros(2))
+    tree_close(jax.jvp(lambda x: f(x, y), (x,), (jnp.ones(2),))[1], (np.zeros(2), 6.0))
+    tree_close(jax.grad(lambda x: f(x, y)[1] + f(x, y)[0].sum())(x), 2 * x)
 
 
 # -- complex numbers ---------------------------------------------------------------------
@@ -275,33 +254,14 @@ def test_complex_vjp_uses_jax_convention():
     z = jnp.array([1 + 2j, 0.5 - 1j], dtype=jnp.complex64)
     ct = jnp.array([0.3 - 1j, 2 + 0.5j], dtype=jnp.complex64)
     f = torchjax.to_jax(lambda z: z * z)
-    _close(jax.vjp(f, z)[1](ct), jax.vjp(lambda z: z * z, z)[1](ct))
+    tree_close(jax.vjp(f, z)[1](ct), jax.vjp(lambda z: z * z, z)[1](ct))
     g = torchjax.to_jax(lambda z: (z.abs() ** 2 + z.real * z.imag).sum())
     gj = lambda z: (jnp.abs(z) ** 2 + z.real * z.imag).sum()
-    _close(jax.grad(g)(z), jax.grad(gj)(z))
-    _close(jax.jit(jax.grad(g))(z), jax.grad(gj)(z))
+    tree_close(jax.grad(g)(z), jax.grad(gj)(z))
+    tree_close(jax.jit(jax.grad(g))(z), jax.grad(gj)(z))
 
 
 # -- reverse mode where torch has no forward mode ----------------------------------------
-
-
-class Square(torch.autograd.Function):
-    """New style, with backward but no jvp: torch.func.vjp works, torch.func.jvp does not."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x * x
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 2 * x * g
 
 
 def _square_sum(x):
@@ -316,11 +276,11 @@ def test_grad_without_forward_mode_in_torch():
     f = torchjax.to_jax(_square_sum)
     x = jnp.array([0.5, -1.0, 1.5])
     expected = 2 * x * jnp.cos(x**2)
-    _close(jax.grad(f)(x), expected)
-    _close(jax.jit(jax.grad(f))(x), expected)
-    _close(jax.vmap(jax.grad(f))(jnp.stack([x, -x])), jnp.stack([expected, -expected]))
+    tree_close(jax.grad(f)(x), expected)
+    tree_close(jax.jit(jax.grad(f))(x), expected)
+    tree_close(jax.vmap(jax.grad(f))(jnp.stack([x, -x])), jnp.stack([expected, -expected]))
     # forward mode itself cannot work with torch.func, and says what can
     with pytest.raises(AutodiffError, match=re.escape("grad_method='autograd'")):
         jax.jvp(f, (x,), (jnp.ones(3),))
     g = torchjax.to_jax(_square_sum, grad_method="autograd")
-    _close(jax.jvp(g, (x,), (jnp.ones(3),))[1], expected.sum())
+    tree_close(jax.jvp(g, (x,), (jnp.ones(3),))[1], expected.sum())

@@ -3,21 +3,15 @@
 # the same function written in jax.numpy.
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
+from helpers import tree_close
 
 import torchjax
 
-
-def _close(actual: Any, expected: Any, rtol: float = 1e-4, atol: float = 1e-5) -> None:
-    jax.tree.map(
-        lambda a, e: np.testing.assert_allclose(a, e, rtol=rtol, atol=atol), actual, expected
-    )
+pytestmark = pytest.mark.core  # the version matrix runs this module
 
 
 def _torch_f(x):
@@ -47,14 +41,14 @@ def test_second_order(name, jit):
     t = TRANSFORMS[name]
     g = t(torchjax.to_jax(_torch_f))
     g = jax.jit(g) if jit else g
-    _close(g(X), jax.jit(t(_jax_f))(X))
+    tree_close(g(X), jax.jit(t(_jax_f))(X))
 
 
 def test_hessian_is_the_analytic_one():
     # An independent check of the reference itself, on a function with a known Hessian.
     f = torchjax.to_jax(lambda x: (x**3).sum() + x[0] * x[1])
     expected = jnp.diag(6 * X).at[0, 1].set(1.0).at[1, 0].set(1.0)
-    _close(jax.hessian(f)(X), expected)
+    tree_close(jax.hessian(f)(X), expected)
 
 
 def test_hessian_of_several_pytree_arguments():
@@ -68,14 +62,14 @@ def test_hessian_of_several_pytree_arguments():
     x = jnp.array([[1.0, -1.0, 0.5], [0.3, 0.2, -0.7]])
     f = torchjax.to_jax(torch_f)
     h = jax.jit(jax.hessian(f, argnums=(0, 1)))(p, x)
-    _close(h, jax.jit(jax.hessian(jax_f, argnums=(0, 1)))(p, x))
+    tree_close(h, jax.jit(jax.hessian(jax_f, argnums=(0, 1)))(p, x))
     assert h[0]["w"][1].shape == (3, 2, 2, 3)  # d2f / dw dx
 
 
 def test_third_order():
     f = torchjax.to_jax(lambda x: torch.sin(x).sum())
     d3 = jax.grad(lambda x: jax.grad(lambda x: jax.grad(f)(x).sum())(x).sum())
-    _close(jax.jit(d3)(X), -jnp.cos(X))
+    tree_close(jax.jit(d3)(X), -jnp.cos(X))
 
 
 def test_hessian_vector_product_of_a_small_nn():
@@ -88,5 +82,5 @@ def test_hessian_vector_product_of_a_small_nn():
     x = jnp.array([[0.5, -0.2, 0.1], [1.0, 0.3, -0.8]])
     v = jnp.ones_like(x)
     hvp = lambda f: jax.jvp(jax.grad(f), (x,), (v,))[1]
-    _close(hvp(f), hvp(fj))
-    _close(jax.jit(jax.hessian(f))(x), jax.jit(jax.hessian(fj))(x))
+    tree_close(hvp(f), hvp(fj))
+    tree_close(jax.jit(jax.hessian(f))(x), jax.jit(jax.hessian(fj))(x))

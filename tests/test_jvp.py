@@ -16,17 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import tree_close
 from torch._subclasses.fake_tensor import is_fake
 
 import torchjax
 
+pytestmark = pytest.mark.core  # the version matrix runs this module
+
 F0 = jax.dtypes.float0
-
-
-def _close(actual: Any, expected: Any, rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    jax.tree.map(
-        lambda a, e: np.testing.assert_allclose(a, e, rtol=rtol, atol=atol), actual, expected
-    )
 
 
 def _torch_calls(jaxpr: Any) -> list:
@@ -64,8 +61,8 @@ def test_jvp_matches_jax_numpy():
     f = torchjax.to_jax(lambda x, y: torch.sin(x) * torch.exp(y) + x @ y)
     fj = lambda x, y: jnp.sin(x) * jnp.exp(y) + x @ y
     tx, ty = jnp.array([1.0, 0.5, -1.0]), jnp.array([0.0, 2.0, 1.0])
-    _close(jax.jvp(f, (X, Y), (tx, ty)), jax.jvp(fj, (X, Y), (tx, ty)))
-    _close(
+    tree_close(jax.jvp(f, (X, Y), (tx, ty)), jax.jvp(fj, (X, Y), (tx, ty)))
+    tree_close(
         jax.jit(lambda *a: jax.jvp(f, a[:2], a[2:]))(X, Y, tx, ty), jax.jvp(fj, (X, Y), (tx, ty))
     )
 
@@ -73,7 +70,7 @@ def test_jvp_matches_jax_numpy():
 def test_jvp_with_respect_to_one_of_two_args_sends_one_tangent():
     f = torchjax.to_jax(lambda x, y: torch.sin(x) * y)
     g = lambda x, y: jax.jvp(lambda x: f(x, y), (x,), (jnp.ones(3),))
-    _close(g(X, Y), (jnp.sin(X) * Y, jnp.cos(X) * Y))
+    tree_close(g(X, Y), (jnp.sin(X) * Y, jnp.cos(X) * Y))
     jvps = _of_type(_torch_calls(jax.make_jaxpr(g)(X, Y).jaxpr), "JvpFunction")
     assert len(jvps) == 1
     fn, eqn = jvps[0]
@@ -85,7 +82,7 @@ def test_jvp_with_respect_to_one_of_two_args_sends_one_tangent():
 def test_jvp_of_second_arg_only():
     f = torchjax.to_jax(lambda x, y: torch.sin(x) * y)
     g = lambda x, y: jax.jvp(lambda y: f(x, y), (y,), (jnp.ones(3),))
-    _close(g(X, Y)[1], jnp.sin(X))
+    tree_close(g(X, Y)[1], jnp.sin(X))
     ((fn, eqn),) = _of_type(_torch_calls(jax.make_jaxpr(g)(X, Y).jaxpr), "JvpFunction")
     assert fn.wrt == (1,) and len(eqn.invars) == 3
 
@@ -103,7 +100,7 @@ def test_no_tangent_no_jvp_call():
     # the only tangent is on an int input: the output tangent is a symbolic zero
     g = lambda n: jax.jvp(lambda n: f(n, n), (n,), (np.zeros(3, F0),))
     out, t = g(n)
-    _close(out, n * n)
+    tree_close(out, n * n)
     assert t.dtype == F0
     assert not _of_type(_torch_calls(jax.make_jaxpr(g)(n).jaxpr), "JvpFunction")
     assert len(calls) == 1
@@ -113,8 +110,8 @@ def test_int_inputs_get_no_tangent():
     f = torchjax.to_jax(lambda x, n: x * n.to(x.dtype) + n.sum())
     n = jnp.array([1, 2, 3])
     out, t = jax.jvp(f, (X, n), (jnp.ones(3), np.zeros(3, F0)))
-    _close(out, X * n + 6)
-    _close(t, n.astype(jnp.float32))
+    tree_close(out, X * n + 6)
+    tree_close(t, n.astype(jnp.float32))
     jaxpr = jax.make_jaxpr(lambda x, n: jax.jvp(f, (x, n), (jnp.ones(3), np.zeros(3, F0))))(X, n)
     ((fn, eqn),) = _of_type(_torch_calls(jaxpr.jaxpr), "JvpFunction")
     assert fn.wrt == (0,) and len(eqn.invars) == 3
@@ -123,10 +120,10 @@ def test_int_inputs_get_no_tangent():
 def test_integer_and_bool_outputs_have_zero_tangents():
     f = torchjax.to_jax(lambda x: (x * 2, x.argmax(), x > 0, {"n": x.shape[0], "s": x.sum()}))
     out, t = jax.jvp(f, (X,), (jnp.ones(3),))
-    _close(out[0], X * 2)
-    _close(t[0], np.full(3, 2.0))
+    tree_close(out[0], X * 2)
+    tree_close(t[0], np.full(3, 2.0))
     assert t[1].dtype == F0 and t[2].dtype == F0 and t[3]["n"].dtype == F0
-    _close(t[3]["s"], 3.0)
+    tree_close(t[3]["s"], 3.0)
     ((fn, eqn),) = _of_type(
         _torch_calls(jax.make_jaxpr(lambda x: jax.jvp(f, (x,), (x,)))(X).jaxpr), "JvpFunction"
     )
@@ -139,7 +136,7 @@ def test_pytree_inputs_and_outputs():
     fj = lambda d: {"u": d["a"] * d["b"], "v": (jnp.tanh(d["a"]).sum(),)}
     d = {"a": X, "b": Y}
     t = {"a": jnp.ones(3), "b": jnp.array([1.0, 0.0, 2.0])}
-    _close(jax.jvp(f, (d,), (t,)), jax.jvp(fj, (d,), (t,)))
+    tree_close(jax.jvp(f, (d,), (t,)), jax.jvp(fj, (d,), (t,)))
 
 
 def _counting(fn):
@@ -160,8 +157,8 @@ def test_jvp_is_one_torch_call(jit):
     g = lambda x, y, t: jax.jvp(f, (x, y), (t, t))
     g = jax.jit(g) if jit else g
     out, t = g(X, Y, jnp.ones(3))
-    _close(out, jnp.sin(X) * Y)
-    _close(t, jnp.cos(X) * Y + jnp.sin(X))
+    tree_close(out, jnp.sin(X) * Y)
+    tree_close(t, jnp.cos(X) * Y + jnp.sin(X))
     calls.clear()
     jax.block_until_ready(g(X, Y, jnp.ones(3)))
     assert len(calls) == 1
@@ -186,7 +183,7 @@ def test_jacfwd_computes_the_primal_once_unbatched():
     counted, calls = _counting(lambda x: torch.sin(x) * x.sum())
     f = torchjax.to_jax(counted)
     fj = lambda x: jnp.sin(x) * x.sum()
-    _close(jax.jacfwd(f)(X), jax.jacfwd(fj)(X))
+    tree_close(jax.jacfwd(f)(X), jax.jacfwd(fj)(X))
     calls.clear()
     jax.jacfwd(f)(X)
     assert len(calls) == 2  # the primal, and the tangents batched in one torch.vmap call
@@ -201,12 +198,12 @@ def test_linearize():
     fj = lambda x, y: (jnp.sin(x) * y, (x**2).sum())
     out, lin = jax.linearize(f, X, Y)
     out_j, lin_j = jax.linearize(fj, X, Y)
-    _close(out, out_j)
+    tree_close(out, out_j)
     for tx, ty in [(jnp.ones(3), jnp.zeros(3)), (X, Y), (jnp.zeros(3), jnp.ones(3))]:
-        _close(lin(tx, ty), lin_j(tx, ty))
-    _close(jax.jit(lin)(X, Y), lin_j(X, Y))
+        tree_close(lin(tx, ty), lin_j(tx, ty))
+    tree_close(jax.jit(lin)(X, Y), lin_j(X, Y))
     # the linear function is linear: twice the tangent, twice the output tangent
-    _close(lin(2 * X, 2 * Y), jax.tree.map(lambda a: 2 * a, lin(X, Y)))
+    tree_close(lin(2 * X, 2 * Y), jax.tree.map(lambda a: 2 * a, lin(X, Y)))
 
 
 def test_linearize_evaluates_primal_once():
@@ -215,7 +212,7 @@ def test_linearize_evaluates_primal_once():
     out, lin = jax.linearize(f, X)
     n = len(calls)
     for t in (jnp.ones(3), X):
-        _close(lin(t), jnp.cos(X) * t)
+        tree_close(lin(t), jnp.cos(X) * t)
     # each application of the linear map is one real (JVP) call: the primal is not redone
     assert len(calls) == n + 2
 
@@ -225,13 +222,13 @@ def test_vjp_directly():
     fj = lambda x, y: (jnp.sin(x) * y, (x**2).sum())
     out, pb = jax.vjp(f, X, Y)
     out_j, pb_j = jax.vjp(fj, X, Y)
-    _close(out, out_j)
+    tree_close(out, out_j)
     ct = (jnp.array([1.0, -1.0, 2.0]), jnp.float32(3.0))
-    _close(pb(ct), pb_j(ct))
-    _close(jax.jit(pb)(ct), pb_j(ct))
+    tree_close(pb(ct), pb_j(ct))
+    tree_close(jax.jit(pb)(ct), pb_j(ct))
     # a zero cotangent for one output: only the other contributes
     ct0 = (jnp.zeros(3), jnp.float32(1.0))
-    _close(pb(ct0), (2 * X, jnp.zeros(3)))
+    tree_close(pb(ct0), (2 * X, jnp.zeros(3)))
 
 
 @pytest.mark.parametrize("grad_method", ["torch.func", "autograd"])
@@ -240,15 +237,15 @@ def test_python_number_outputs_have_zero_tangents(grad_method):
     # (which to_jax turns into a 0-d array) made every derivative fail.
     f = torchjax.to_jax(lambda x: (torch.sin(x).sum(), 2.0), grad_method=grad_method)
     out, t = jax.jvp(f, (X,), (jnp.ones(3),))
-    _close(out, (jnp.sin(X).sum(), 2.0))
-    _close(t, (jnp.cos(X).sum(), 0.0))
-    _close(jax.grad(lambda x: f(x)[0] + f(x)[1])(X), jnp.cos(X))
+    tree_close(out, (jnp.sin(X).sum(), 2.0))
+    tree_close(t, (jnp.cos(X).sum(), 0.0))
+    tree_close(jax.grad(lambda x: f(x)[0] + f(x)[1])(X), jnp.cos(X))
     g = torchjax.to_jax(
         lambda x: 3.0,
         result_shape_dtypes=jax.ShapeDtypeStruct((), jnp.float32),
         grad_method=grad_method,
     )
-    _close(jax.grad(g)(X), jnp.zeros(3))
+    tree_close(jax.grad(g)(X), jnp.zeros(3))
 
 
 def test_jvp_with_declared_result_shapes_runs_nothing_on_fake_tensors():
@@ -264,9 +261,9 @@ def test_jvp_with_declared_result_shapes_runs_nothing_on_fake_tensors():
     }
     f = torchjax.to_jax(fn, result_shape_dtypes=declared)
     out, t = jax.jvp(f, (X,), (jnp.ones(3),))
-    _close(out, {"y": jnp.sin(X), "n": jnp.argmax(X)})
-    _close(t["y"], jnp.cos(X))
+    tree_close(out, {"y": jnp.sin(X), "n": jnp.argmax(X)})
+    tree_close(t["y"], jnp.cos(X))
     assert t["n"].dtype == F0
-    _close(jax.jacfwd(lambda x: f(x)["y"])(X), jnp.diag(jnp.cos(X)))
-    _close(jax.jit(jax.grad(lambda x: f(x)["y"].sum()))(X), jnp.cos(X))
+    tree_close(jax.jacfwd(lambda x: f(x)["y"])(X), jnp.diag(jnp.cos(X)))
+    tree_close(jax.jit(jax.grad(lambda x: f(x)["y"].sum()))(X), jnp.cos(X))
     assert fake_runs and not any(fake_runs)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import torchjax
-from torchjax._module_to_jax._module_to_jax import VariablesError
+from torchjax.errors import VariablesError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

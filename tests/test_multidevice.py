@@ -4,6 +4,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = [pytest.mark.core, pytest.mark.slow]  # the version matrix runs this module
+
 SCRIPT = pathlib.Path(__file__).with_name("multidevice_script.py")
 
 

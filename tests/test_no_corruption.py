@@ -19,7 +19,9 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 import torchjax
-from torchjax._errors import ConversionError, InPlaceMutationError, OutputMismatchError
+from torchjax.errors import ConversionError, InPlaceMutationError, OutputMismatchError
+
+pytestmark = pytest.mark.core  # the version matrix runs this module
 
 F32_4 = jax.ShapeDtypeStruct((4,), jnp.float32)
 real_calls = collections.Counter()
@@ -422,7 +424,7 @@ assert jax.jit(f)(x)[0].devices() == {cpu1}
 assert torchjax.to_jax(lambda t: t * 2)(jnp.arange(2.0)).devices() == {jax.devices()[0]}
 try:
     torchjax.to_jax(lambda a, b: a + b)(x, jax.device_put(jnp.ones(4), jax.devices()[0]))
-except torchjax._errors.ConversionError as e:
+except torchjax.errors.ConversionError as e:
     assert "args[1] is committed to" in str(e), e
 else:
     raise AssertionError("no error for inputs on two devices")

@@ -13,14 +13,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tree_close
 from torch._subclasses.fake_tensor import is_fake
 
 import torchjax
 from torchjax._to_jax._residual import GRAPHS
 
-
-def _close(actual, expected, rtol=1e-5, atol=1e-6):
-    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=rtol, atol=atol)
+pytestmark = pytest.mark.core  # the version matrix runs this module
 
 
 class Counted(torch.autograd.Function):
@@ -74,9 +73,9 @@ def test_value_and_grad_is_one_forward_and_one_backward(jit):
     value, grads = step(PARAMS, X)
     assert (Counted.forwards, Counted.backwards) == (1, 1)
     ref_value, ref_grads = jax.value_and_grad(_mlp_loss_jax)(PARAMS, X)
-    _close(value, ref_value)
-    _close(grads["w1"], ref_grads["w1"])
-    _close(grads["w2"], ref_grads["w2"])
+    tree_close(value, ref_value)
+    tree_close(grads["w1"], ref_grads["w1"])
+    tree_close(grads["w2"], ref_grads["w2"])
 
 
 class CountedLayer(torch.nn.Module):
@@ -102,9 +101,9 @@ def test_training_step_with_a_loss_computed_in_jax_is_one_forward():
     x_t = torch.tensor(np.asarray(X))
     expected = (model(x_t) - 1.0).pow(2).mean()
     expected.backward()
-    _close(value, expected.item())
+    tree_close(value, expected.item())
     for name, p in model.named_parameters():
-        _close(grads[name], p.grad)
+        tree_close(grads[name], p.grad)
 
 
 def _dropout_sum(x):
@@ -119,7 +118,7 @@ def test_value_and_gradient_see_the_same_dropout_mask(jit):
     for _ in range(3):
         value, grad = step(jnp.ones(1000))
         # d/dx sum(dropout(x)) = mask / (1 - p), and at x = 1 the value is its sum.
-        _close(value, grad.sum(), rtol=1e-6)
+        tree_close(value, grad.sum(), rtol=1e-6)
         assert set(np.unique(np.asarray(grad))) <= {0.0, 2.0}
 
 
@@ -131,11 +130,11 @@ def test_same_mask_when_the_vjp_recomputes():
     value, pullback = jax.vjp(f, x)
     (g1,) = pullback(jnp.ones(()))
     (g2,) = pullback(jnp.ones(()))
-    _close(g1, g2)
-    _close(value, g1.sum(), rtol=1e-6)
+    tree_close(g1, g2)
+    tree_close(value, g1.sum(), rtol=1e-6)
     kept = len(GRAPHS)
     value, f_lin = jax.linearize(f, x)
-    _close(value, f_lin(x), rtol=1e-6)  # the JVP in direction x at x = 1: the same sum
+    tree_close(value, f_lin(x), rtol=1e-6)  # the JVP in direction x at x = 1: the same sum
     from torchjax._compat._jax import LINEARIZE_CONVENTION
 
     if LINEARIZE_CONVENTION != "nonzeros":  # JAX 0.8 does not say the linear half goes forward
@@ -162,9 +161,9 @@ def test_same_mask_through_module_to_jax_without_rng(jit):
     layer.zero_grad()
     expected = layer(torch.tensor(np.asarray(x))).pow(2).sum()
     expected.backward()
-    _close(value, expected.item(), rtol=1e-4)
+    tree_close(value, expected.item(), rtol=1e-4)
     for name, p in layer.named_parameters():
-        _close(grads[name], p.grad, rtol=1e-3, atol=1e-5)
+        tree_close(grads[name], p.grad, rtol=1e-3, atol=1e-5)
 
 
 def _rss_bytes() -> int:
@@ -195,7 +194,7 @@ def test_evicted_graph_falls_back_to_recomputing_with_the_same_draws(monkeypatch
     value, pullback = jax.vjp(f, x)
     jax.vjp(f, x)  # a second forward evicts the first graph
     (grad,) = pullback(jnp.ones(()))
-    _close(value, grad.sum(), rtol=1e-6)
+    tree_close(value, grad.sum(), rtol=1e-6)
 
 
 def test_jit_graph_does_not_keep_xla_input_buffers():
@@ -208,7 +207,7 @@ def test_jit_graph_does_not_keep_xla_input_buffers():
     for k in range(20):
         w = jnp.full((4, 3), 0.1 * k)
         x = jnp.linspace(0.1, 1.0, 8).reshape(2, 4) * k
-        _close(step(w, x), jax.grad(loss_jax)(w, x), rtol=1e-4, atol=1e-5)
+        tree_close(step(w, x), jax.grad(loss_jax)(w, x), rtol=1e-4, atol=1e-5)
 
 
 def test_scan_of_wrapped_steps_keeps_one_graph_per_step():
@@ -228,7 +227,7 @@ def test_scan_of_wrapped_steps_keeps_one_graph_per_step():
 
     h0, xs = jnp.zeros(3), jnp.linspace(-1, 1, 12).reshape(4, 3)
     grad = jax.jit(jax.grad(lambda h: loss(h, xs, f)))
-    _close(grad(h0), jax.grad(lambda h: loss(h, xs, f_jax))(h0))
+    tree_close(grad(h0), jax.grad(lambda h: loss(h, xs, f_jax))(h0))
     calls.clear()
     grad(h0)
     assert len(calls) == 4  # one forward per step; the backward reuses each step's graph
@@ -257,8 +256,8 @@ def test_threads_each_pull_back_through_their_own_graph():
         t.join(120)
     assert not errors, errors
     for (value, grad), (ref_value, ref_grad) in results.values():
-        _close(value, ref_value, rtol=1e-5)
-        _close(grad, ref_grad, rtol=1e-4, atol=1e-6)
+        tree_close(value, ref_value, rtol=1e-5)
+        tree_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -303,8 +302,8 @@ def test_a_step_copies_no_input(jit, monkeypatch):
         value, grads = step(PARAMS, X)
     assert copied == []
     ref_value, ref_grads = jax.value_and_grad(_mlp_loss_jax)(PARAMS, X)
-    _close(value, ref_value)
-    _close(grads["w1"], ref_grads["w1"])
+    tree_close(value, ref_value)
+    tree_close(grads["w1"], ref_grads["w1"])
 
 
 def test_a_function_that_keeps_its_input_still_reads_the_call_values():

@@ -9,7 +9,9 @@ import pytest
 from jax.test_util import check_grads
 
 from torchjax import PytreePrimitive
-from torchjax._errors import OutputMismatchError, RuleError, StaticArgumentError
+from torchjax.errors import OutputMismatchError, RuleError, StaticArgumentError
+
+pytestmark = pytest.mark.core  # the version matrix runs this module
 
 fired = collections.Counter()
 

@@ -10,7 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 import torchjax
-from torchjax._errors import (
+from torchjax.errors import (
     ConversionError,
     InPlaceMutationError,
     OutputMismatchError,

@@ -12,14 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from helpers import tree_close
 from torch._subclasses.fake_tensor import is_fake
 
 import torchjax
-from torchjax._errors import ConversionError, InPlaceMutationError, ShapeInferenceError
-
-
-def _close(actual, expected, atol=1e-5):
-    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=1e-4, atol=atol)
+from torchjax.errors import ConversionError, InPlaceMutationError, ShapeInferenceError
 
 
 def _t(x):
@@ -60,7 +57,7 @@ def test_index_fill_gradient():
     assert float(jax.grad(lambda v: fill(x, i, v).sum())(v)) == 4.0
     assert float(jax.jit(jax.grad(lambda v: fill(x, i, v).sum()))(v)) == 4.0
     put = torchjax.to_jax(lambda x, v: x.index_put((torch.tensor([0, 2]),), v))
-    _close(jax.grad(lambda v: put(x, v).sum())(jnp.ones(2)), [2.0, 2.0])
+    tree_close(jax.grad(lambda v: put(x, v).sum())(jnp.ones(2)), [2.0, 2.0])
 
 
 def test_layer_norm_gradient_with_respect_to_some_inputs():
@@ -70,8 +67,8 @@ def test_layer_norm_gradient_with_respect_to_some_inputs():
 
     x, w = jnp.linspace(-1, 1, 8).reshape(2, 4), jnp.linspace(0.5, 1.5, 4)
     expected = torch.func.grad(f)(_t(x), _t(w))
-    _close(jax.grad(torchjax.to_jax(f))(x, w), expected)
-    _close(jax.jit(jax.grad(torchjax.to_jax(f)))(x, w), expected)
+    tree_close(jax.grad(torchjax.to_jax(f))(x, w), expected)
+    tree_close(jax.jit(jax.grad(torchjax.to_jax(f)))(x, w), expected)
 
 
 def test_autograd_grad_method_with_fused_attention():
@@ -80,19 +77,19 @@ def test_autograd_grad_method_with_fused_attention():
 
     q = jnp.linspace(-1, 1, 48).reshape(2, 2, 3, 4)
     g = torchjax.to_jax(f, grad_method="autograd")
-    _close(jax.grad(g)(q), torch.func.grad(f)(_t(q)))
-    _close(jax.jit(jax.grad(g))(q), torch.func.grad(f)(_t(q)))
+    tree_close(jax.grad(g)(q), torch.func.grad(f)(_t(q)))
+    tree_close(jax.jit(jax.grad(g))(q), torch.func.grad(f)(_t(q)))
 
 
 def test_torch_compile_function_in_every_transform():
     compiled = torch.compile(lambda x: torch.sin(x).sum())
     f = torchjax.to_jax(compiled)
     x = jnp.ones((3, 3))
-    _close(f(x), 9 * np.sin(1.0))
-    _close(jax.jit(f)(x), 9 * np.sin(1.0))
-    _close(jax.vmap(f)(jnp.ones((2, 3, 3))), [9 * np.sin(1.0)] * 2)
-    _close(jax.grad(f)(x), np.cos(np.ones((3, 3))))
-    _close(jax.jit(jax.grad(f))(x), np.cos(np.ones((3, 3))))
+    tree_close(f(x), 9 * np.sin(1.0))
+    tree_close(jax.jit(f)(x), 9 * np.sin(1.0))
+    tree_close(jax.vmap(f)(jnp.ones((2, 3, 3))), [9 * np.sin(1.0)] * 2)
+    tree_close(jax.grad(f)(x), np.cos(np.ones((3, 3))))
+    tree_close(jax.jit(jax.grad(f))(x), np.cos(np.ones((3, 3))))
 
 
 def test_torch_compile_module():
@@ -101,9 +98,9 @@ def test_torch_compile_module():
     f = torchjax.to_jax(torch.compile(lin))
     x = jnp.ones((4, 3))
     expected = lin(torch.ones(4, 3)).detach()
-    _close(f(x), expected)
-    _close(jax.jit(f)(x), expected)
-    _close(jax.vmap(f)(x[:, None]), expected[:, None])
+    tree_close(f(x), expected)
+    tree_close(jax.jit(f)(x), expected)
+    tree_close(jax.vmap(f)(x[:, None]), expected[:, None])
 
 
 def test_eager_call_runs_for_real_where_fakes_cannot():
@@ -111,12 +108,12 @@ def test_eager_call_runs_for_real_where_fakes_cannot():
         return torch.distributions.Normal(torch.zeros(3), torch.ones(3)).log_prob(x).sum()
 
     x = jnp.array([0.1, -0.4, 2.0])
-    _close(torchjax.to_jax(logp)(x), logp(_t(x)))
+    tree_close(torchjax.to_jax(logp)(x), logp(_t(x)))
 
     f = FakeRuns(lambda x: x[x > 0] * 2)  # the output's shape depends on the values
     g = torchjax.to_jax(f)
-    _close(g(x), [0.2, 4.0])
-    _close(g(-x), [0.8])
+    tree_close(g(x), [0.2, 4.0])
+    tree_close(g(-x), [0.8])
     assert (f.fake, f.real) == (0, 2)  # eager calls have data: never a fake run
     with pytest.raises(ShapeInferenceError, match="(?s)DynamicOutputShape.*result_shape_dtypes"):
         jax.jit(g)(x)
@@ -139,8 +136,8 @@ def test_inference_mode():
     with torch.inference_mode():
         out = f(jnp.ones(3))
         grad = jax.grad(lambda x: f(x).sum())(jnp.ones(3))
-    _close(out, 2 * np.ones(3))
-    _close(grad, 2 * np.ones(3))
+    tree_close(out, 2 * np.ones(3))
+    tree_close(grad, 2 * np.ones(3))
 
 
 def _raise_value_error(x):
@@ -204,7 +201,7 @@ def test_wrapped_function_calling_another_eagerly_inside_its_torch_code():
     t.start()
     t.join(60)
     assert not t.is_alive(), "reentrant fake run deadlocked"
-    _close(result["v"], 4 * np.ones(3))
+    tree_close(result["v"], 4 * np.ones(3))
 
 
 def test_fake_tensor_handed_to_tree_to_jax_is_a_conversion_error():
@@ -232,7 +229,7 @@ def _hf_grads_match(model, ids, **kwargs):
     checked = 0
     for name, p in model.named_parameters():
         if p.grad is not None and name in grads:
-            _close(grads[name], p.grad, atol=1e-6)
+            tree_close(grads[name], p.grad, atol=1e-6)
             checked += 1
     assert checked > 10
 

@@ -13,9 +13,12 @@ import weakref
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 import torchjax
+
+pytestmark = pytest.mark.slow  # leave out with -m 'not slow'
 
 MB = 2**20
 BIG = 2**21  # float32 elements: 8 MB

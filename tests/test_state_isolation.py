@@ -25,6 +25,8 @@ from torch.utils.checkpoint import checkpoint
 import torchjax
 from torchjax.errors import ConversionError, ShapeInferenceError, StateWarning, VmapError
 
+pytestmark = pytest.mark.core  # the version matrix runs this module
+
 
 def _mlp():
     torch.manual_seed(0)

@@ -17,12 +17,6 @@ import torch
 import torchjax
 
 
-@pytest.fixture
-def x64():
-    with jax.enable_x64(True):
-        yield
-
-
 # -- torchdiffeq: the adjoint backward re-evaluates the vector field -----------------------
 class _Field(torch.nn.Module):
     def __init__(self):

@@ -14,6 +14,8 @@ import torchjax
 from torchjax._to_jax import _rule_lowering
 from torchjax._to_jax._torch_call import torch_call_p
 
+pytestmark = pytest.mark.core  # the version matrix runs this module
+
 real_calls = collections.Counter()
 
 

@@ -14,9 +14,11 @@ import torch
 from hypothesis import given, settings
 
 import torchjax
-from torchjax._errors import ConversionError, JaxOutputError, StaticArgumentError
+from torchjax import to_torch
 from torchjax._to_torch import _spec
-from torchjax._to_torch._to_torch import to_torch
+from torchjax.errors import ConversionError, JaxOutputError, StaticArgumentError
+
+pytestmark = pytest.mark.core  # the version matrix runs this module
 
 
 def x64():
@@ -45,13 +47,13 @@ def jax_energy(params, x):  # {"w": [D, K], "b": [K]}, [N, D] -> ([N], scalar)
 def spy_runs(monkeypatch):
     """Names of the specs run on real data, in order (to assert which rule fired)."""
     names = []
-    original = _spec._Spec.run
+    original = _spec.Spec.run
 
     def run(self, tensors):
         names.append(self.name)
         return original(self, tensors)
 
-    monkeypatch.setattr(_spec._Spec, "run", run)
+    monkeypatch.setattr(_spec.Spec, "run", run)
     return names
 
 
@@ -204,8 +206,8 @@ def test_int_inputs_and_outputs_are_not_differentiable():
 
 def test_backward_only_for_inputs_that_need_it(monkeypatch):
     wrts = []
-    original = _spec._Spec.vjp
-    monkeypatch.setattr(_spec._Spec, "vjp", lambda s, wrt: wrts.append(wrt) or original(s, wrt))
+    original = _spec.Spec.vjp
+    monkeypatch.setattr(_spec.Spec, "vjp", lambda s, wrt: wrts.append(wrt) or original(s, wrt))
     a, b = torch.randn(3, requires_grad=True), torch.randn(3)
     to_torch(lambda a, b: a * b)(a, b).sum().backward()
     assert wrts == [(0,)]
@@ -391,9 +393,7 @@ def test_round_trip_to_jax_of_to_torch():
 
 
 def test_docstring_example_runs():
-    text = to_torch.__doc__.replace(
-        "from torchjax import to_torch", "from torchjax._to_torch._to_torch import to_torch"
-    )
+    text = to_torch.__doc__
     test = doctest.DocTestParser().get_doctest(text, {}, "to_torch", None, 0)
     runner = doctest.DocTestRunner()
     runner.run(test)

@@ -12,6 +12,8 @@ import torch
 import torchjax
 from torchjax.errors import JaxOutputError
 
+pytestmark = pytest.mark.usefixtures("x64")  # every test in float64
+
 
 def jax_loss(w, x):  # [3], [N, 3] -> [], {"pred": [N], "best": []}
     pred = jnp.tanh(x @ w)
@@ -26,12 +28,6 @@ def data():
     return torch.randn(3, generator=g, dtype=torch.float64), torch.randn(
         5, 3, generator=g, dtype=torch.float64
     )
-
-
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
 
 
 def as_jax(*ts):

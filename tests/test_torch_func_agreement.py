@@ -9,20 +9,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import Square, tree_close
 from torch._subclasses.fake_tensor import is_fake
 
 import torchjax
-from torchjax._errors import AutodiffError
+from torchjax.errors import AutodiffError
 
-
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
-
-
-def _close(actual, expected, atol=1e-8):
-    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=1e-7, atol=atol)
+pytestmark = [pytest.mark.core, pytest.mark.usefixtures("x64")]  # all in float64
 
 
 def _t(x):
@@ -51,18 +44,20 @@ def test_hessian_of_linalg_matches_torch_func(name):
     f = SECOND_ORDER_LINALG[name]
     expected = torch.func.hessian(f)(_t(MATRIX))
     g = torchjax.to_jax(f)
-    _close(jax.hessian(g)(MATRIX), expected)
-    _close(jax.jit(jax.hessian(g))(MATRIX), expected)
-    _close(jax.jacrev(jax.jacfwd(g))(MATRIX), torch.func.jacrev(torch.func.jacfwd(f))(_t(MATRIX)))
+    tree_close(jax.hessian(g)(MATRIX), expected)
+    tree_close(jax.jit(jax.hessian(g))(MATRIX), expected)
+    tree_close(
+        jax.jacrev(jax.jacfwd(g))(MATRIX), torch.func.jacrev(torch.func.jacfwd(f))(_t(MATRIX))
+    )
 
 
 def test_hvp_and_vmap_of_hessian_of_det():
     f, g = torch.linalg.det, torchjax.to_jax(torch.linalg.det)
     v = RNG.normal(size=(3, 3))
     hvp = jax.jvp(jax.grad(g), (MATRIX,), (v,))[1]
-    _close(hvp, torch.func.jvp(torch.func.grad(f), (_t(MATRIX),), (_t(v),))[1])
+    tree_close(hvp, torch.func.jvp(torch.func.grad(f), (_t(MATRIX),), (_t(v),))[1])
     xs = np.stack([MATRIX, 2 * MATRIX + 1])
-    _close(jax.vmap(jax.hessian(g))(xs), torch.func.vmap(torch.func.hessian(f))(_t(xs)))
+    tree_close(jax.vmap(jax.hessian(g))(xs), torch.func.vmap(torch.func.hessian(f))(_t(xs)))
 
 
 @pytest.mark.parametrize(
@@ -77,7 +72,7 @@ def test_hvp_and_vmap_of_hessian_of_det():
 def test_hessian_where_torch_has_no_grad_mode_forward_ad(name, f):
     # Under no_grad torch picks silu_backward & co., which have no forward-mode formula.
     x = 0.5 + 0.1 * RNG.normal(size=(1, 4, 3))
-    _close(jax.hessian(torchjax.to_jax(f))(x), torch.func.hessian(f)(_t(x)))
+    tree_close(jax.hessian(torchjax.to_jax(f))(x), torch.func.hessian(f)(_t(x)))
 
 
 def _cube_sum(x):
@@ -87,28 +82,28 @@ def _cube_sum(x):
 def test_autograd_grad_method_composes_with_vmap():
     f = torchjax.to_jax(_cube_sum, grad_method="autograd")
     x = jnp.array([0.5, -1.0, 2.0])
-    _close(jax.jacfwd(f)(x), 3 * x**2)
-    _close(jax.hessian(f)(x), jnp.diag(6 * x))
-    _close(jax.jit(jax.hessian(f))(x), jnp.diag(6 * x))
+    tree_close(jax.jacfwd(f)(x), 3 * x**2)
+    tree_close(jax.hessian(f)(x), jnp.diag(6 * x))
+    tree_close(jax.jit(jax.hessian(f))(x), jnp.diag(6 * x))
     xs = jnp.stack([x, 2 * x])
-    _close(jax.vmap(jax.grad(f))(xs), 3 * xs**2)
+    tree_close(jax.vmap(jax.grad(f))(xs), 3 * xs**2)
     cube = torchjax.to_jax(lambda x: x**3, grad_method="autograd")
-    _close(jax.jacobian(cube)(x), jnp.diag(3 * x**2))
-    _close(jax.jacfwd(cube)(x), jnp.diag(3 * x**2))
+    tree_close(jax.jacobian(cube)(x), jnp.diag(3 * x**2))
+    tree_close(jax.jacfwd(cube)(x), jnp.diag(3 * x**2))
 
 
 def test_zero_tangents_and_gradients_from_torch_func_are_materialized():
     # torch.func returns lazy ZeroTensors (no storage) for derivatives known to be zero.
     f = torchjax.to_jax(lambda x: tuple(torch.linalg.slogdet(x)))
     (sign, logabs), (t_sign, t_logabs) = jax.jvp(f, (2 * jnp.eye(3),), (jnp.ones((3, 3)),))
-    _close(t_sign, 0.0)
-    _close(t_logabs, 1.5)
-    _close(jax.grad(lambda x: torchjax.to_jax(torch.sgn)(x).sum())(jnp.array([1.0, -2.0])), 0.0)
+    tree_close(t_sign, 0.0)
+    tree_close(t_logabs, 1.5)
+    tree_close(jax.grad(lambda x: torchjax.to_jax(torch.sgn)(x).sum())(jnp.array([1.0, -2.0])), 0.0)
     l1 = lambda x: F.l1_loss(x, torch.zeros(3, dtype=x.dtype))
     x = jnp.array([1.0, -2.0, 3.0])
     expected = torch.func.jacrev(torch.func.jacrev(l1))(_t(x))
     assert expected._is_zerotensor()  # what torch.func hands back: zero, without storage
-    _close(jax.jacrev(jax.jacrev(torchjax.to_jax(l1)))(x), np.zeros((3, 3)))
+    tree_close(jax.jacrev(jax.jacrev(torchjax.to_jax(l1)))(x), np.zeros((3, 3)))
 
 
 def _counting(f):
@@ -130,18 +125,18 @@ def test_jacrev_runs_the_forward_once_and_batches_only_the_pullback():
     jac = jax.jacrev(torchjax.to_jax(f))(jnp.zeros(3))
     assert jac.shape == (3, 3)
     assert np.all((np.asarray(jac) == 0) | (np.asarray(jac) == 1))
-    _close(jac, np.diag(np.diag(jac)))  # d(mask * x)/dx = diag(mask)
+    tree_close(jac, np.diag(np.diag(jac)))  # d(mask * x)/dx = diag(mask)
     x = jnp.array([0.2, -0.3, 0.4])
     assert jax.jacrev(torchjax.to_jax(lambda x: torch.normal(x, 1.0)))(x).shape == (3, 3)
     rrelu = lambda x: F.rrelu(x, training=False)
-    _close(jax.jacrev(torchjax.to_jax(rrelu))(x), torch.func.jacrev(rrelu)(_t(x)))
+    tree_close(jax.jacrev(torchjax.to_jax(rrelu))(x), torch.func.jacrev(rrelu)(_t(x)))
     # jax.jacrev of an 8-output function: the real torch calls, one forward each.
     f = _counting(lambda x: torch.sin(x) * x.sum())
     g = torchjax.to_jax(f)
     y = jnp.linspace(0.1, 0.8, 8)
     f.calls = 0
     jac = jax.jacrev(g)(y)
-    _close(jac, torch.func.jacrev(lambda t: torch.sin(t) * t.sum())(_t(y)))
+    tree_close(jac, torch.func.jacrev(lambda t: torch.sin(t) * t.sum())(_t(y)))
     assert f.calls == 2  # the primal output, and one forward inside the batched VJP
 
 
@@ -156,37 +151,24 @@ def test_jvp_of_a_vjp_with_respect_to_its_cotangents_is_one_call():
     (value,), (tangent,) = jax.jvp(pullback, (ct,), (ct_dot,))
     assert f.calls == 1
     _, torch_pullback = torch.func.vjp(lambda t: torch.tanh(t) * t, _t(x))
-    _close(value, torch_pullback(_t(ct))[0])
-    _close(tangent, torch_pullback(_t(ct_dot))[0])
+    tree_close(value, torch_pullback(_t(ct))[0])
+    tree_close(tangent, torch_pullback(_t(ct_dot))[0])
 
 
 def test_jacrev_of_jacrev_and_vmap_of_jacrev_match_torch_func():
     f = lambda x: (torch.sin(x) * x.prod()).sum()
     g = torchjax.to_jax(f)
     x = jnp.array([0.3, -0.7, 1.1])
-    _close(jax.jacrev(jax.jacrev(g))(x), torch.func.jacrev(torch.func.jacrev(f))(_t(x)))
+    tree_close(jax.jacrev(jax.jacrev(g))(x), torch.func.jacrev(torch.func.jacrev(f))(_t(x)))
     xs = jnp.stack([x, -x, 2 * x])
-    _close(jax.vmap(jax.jacrev(g))(xs), torch.func.vmap(torch.func.jacrev(f))(_t(xs)))
-    _close(jax.jacrev(jax.vmap(g))(xs), torch.func.jacrev(torch.func.vmap(f))(_t(xs)))
+    tree_close(jax.vmap(jax.jacrev(g))(xs), torch.func.vmap(torch.func.jacrev(f))(_t(xs)))
+    tree_close(jax.jacrev(jax.vmap(g))(xs), torch.func.jacrev(torch.func.vmap(f))(_t(xs)))
 
 
 def test_forward_mode_without_formula_names_the_way_out():
-    class Square(torch.autograd.Function):  # reverse mode only
-        @staticmethod
-        def forward(x):
-            return x * x
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(inputs[0])
-
-        @staticmethod
-        def backward(ctx, g):
-            return 2 * ctx.saved_tensors[0] * g
-
     f = torchjax.to_jax(lambda x: Square.apply(x).sum())
     x = jnp.array([1.0, 2.0])
-    _close(jax.grad(f)(x), 2 * x)
+    tree_close(jax.grad(f)(x), 2 * x)
     with pytest.raises(AutodiffError, match="(?s)forward-mode derivative.*grad_method='autograd'"):
         jax.jvp(f, (x,), (x,))
 
@@ -197,8 +179,8 @@ def test_vmap_of_grad_where_torch_func_vmap_alone_cannot_batch():
     f = lambda x: torch.column_stack([x, x * x]).sum()
     xs = jnp.array([[1.0, 2.0, 3.0], [-1.0, 0.5, 0.0]])
     expected = torch.func.vmap(torch.func.grad(f))(_t(xs))
-    _close(jax.vmap(jax.grad(torchjax.to_jax(f)))(xs), expected)
-    _close(jax.jit(jax.vmap(jax.grad(torchjax.to_jax(f))))(xs), expected)
+    tree_close(jax.vmap(jax.grad(torchjax.to_jax(f)))(xs), expected)
+    tree_close(jax.jit(jax.vmap(jax.grad(torchjax.to_jax(f))))(xs), expected)
 
 
 def test_jacrev_of_empty_inputs():
@@ -214,5 +196,5 @@ def test_jacfwd_of_a_vjp_in_its_cotangent():
     y = jnp.array([0.1, -0.4, 0.7])
     jac = lambda f: jax.jacfwd(lambda c: jax.vjp(f, y)[1](c)[0])(y)
     expected = jac(lambda y: jnp.tanh(y) * 2)  # diag(2 (1 - tanh(y)^2))
-    _close(jac(torchjax.to_jax(lambda y: torch.tanh(y) * 2)), expected)
-    _close(jax.jit(lambda: jac(torchjax.to_jax(lambda y: torch.tanh(y) * 2)))(), expected)
+    tree_close(jac(torchjax.to_jax(lambda y: torch.tanh(y) * 2)), expected)
+    tree_close(jax.jit(lambda: jac(torchjax.to_jax(lambda y: torch.tanh(y) * 2)))(), expected)

@@ -15,13 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import tree_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import is_fake
 
 import torchjax
-from torchjax._errors import ShapeInferenceError, VmapError
 from torchjax._to_jax import _callables, _vmap
+from torchjax.errors import ShapeInferenceError, VmapError
+
+pytestmark = pytest.mark.core  # the version matrix runs this module
 
 SEQUENTIAL = re.escape("vmap_method='sequential'")
 
@@ -41,12 +44,6 @@ def _batched(x: torch.Tensor) -> bool:
 
 def _t(x: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(x))
-
-
-def _close(actual: Any, expected: Any, **kw: Any) -> None:
-    jax.tree.map(
-        lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6, **kw), actual, expected
-    )
 
 
 def _eqns(jaxpr: Any, name: str = "torch_call") -> list:
@@ -96,7 +93,7 @@ def test_nested_vmap_of_dict_function_is_one_torch_vmap_call():
             for i in range(3)
         ]
     )
-    _close(out, expected.numpy())
+    tree_close(out, expected.numpy())
     # One real call, on per-example views of BatchedTensors: torch.func.vmap did the work.
     assert len(rec.calls) == 1
     assert rec.calls[0] == (((5,), True), ((5,), True))
@@ -149,7 +146,7 @@ def test_in_axes(in_axes, xs, ys):
     x, y = _arange(*xs), _arange(*ys, scale=0.2)
     out = jax.vmap(f, in_axes=in_axes)(x, y)
     ref = jax.vmap(lambda x, y: x * jnp.cos(y) + 1.0, in_axes=in_axes)(x, y)
-    _close(out, ref)
+    tree_close(out, ref)
     assert len(rec.calls) == 1
     batched = [ax is not None for ax in in_axes]
     assert [b for _, b in rec.calls[0]] == batched
@@ -166,7 +163,7 @@ def test_in_axes_differ_per_dict_entry_and_per_leaf():
     ref = jax.vmap(lambda d, s: {"u": d["a"] @ d["b"] + s, "v": d["c"].sum()}, in_axes=in_axes)(
         {"a": a, "b": b, "c": c}, s
     )
-    _close(out, ref)
+    tree_close(out, ref)
     assert out["u"].shape == (4, 2, 2) and out["v"].shape == (4,)
 
 
@@ -175,7 +172,7 @@ def test_out_axes(out_axes):
     f = torchjax.to_jax(lambda x: torch.outer(x, x))
     x = _arange(4, 3)
     out = jax.vmap(f, out_axes=out_axes)(x)
-    _close(out, jax.vmap(lambda x: jnp.outer(x, x), out_axes=out_axes)(x))
+    tree_close(out, jax.vmap(lambda x: jnp.outer(x, x), out_axes=out_axes)(x))
 
 
 def test_out_axes_per_output_leaf():
@@ -184,7 +181,7 @@ def test_out_axes_per_output_leaf():
     out_axes = {"m": 2, "s": (0, 0)}
     out = jax.vmap(f, out_axes=out_axes)(x)
     ref = jax.vmap(lambda x: {"m": x[:, None] * x, "s": (x.sum(), x.max())}, out_axes=out_axes)(x)
-    _close(out, ref)
+    tree_close(out, ref)
     assert out["m"].shape == (3, 3, 4)
 
 
@@ -194,11 +191,11 @@ def test_keyword_arguments_batched_and_static():
     x, y = _arange(4, 3), _arange(4, 3, scale=0.3)
     # jax.vmap maps keyword arguments at axis 0; static ones go through a closure.
     out = jax.vmap(lambda x, y: f(x, y=y, power=3, mode="pow"))(x, y)
-    _close(out, (x + y) ** 3)
+    tree_close(out, (x + y) ** 3)
     out_kw = jax.vmap(lambda x, **kw: f(x, power=2, mode="pow", **kw))(x, y=y)
-    _close(out_kw, (x + y) ** 2)
+    tree_close(out_kw, (x + y) ** 2)
     out_minus = jax.vmap(lambda x, y: f(x, y=y, power=3, mode="minus"), in_axes=(0, None))(x, y[0])
-    _close(out_minus, x - y[0])
+    tree_close(out_minus, x - y[0])
     both = (((3,), True), ((3,), True))
     assert rec.calls == [both, both, (((3,), True), ((3,), False))]
 
@@ -215,7 +212,7 @@ def test_static_leaves_pass_through_unchanged():
     f = torchjax.to_jax(fn)
     x = _arange(3, 2)
     out = jax.vmap(lambda x: f(x, (2.5, "w", None)))(x)
-    _close(out, x * 2.5)
+    tree_close(out, x * 2.5)
     assert seen and all(c == (2.5, "w", None) for c in seen)
 
 
@@ -224,7 +221,7 @@ def test_unbatched_arguments_are_not_batched_in_torch():
     f = torchjax.to_jax(rec)
     x, w, b = _arange(5, 3), _arange(3, 2), _arange(2)
     out = jax.vmap(f, in_axes=(0, None, None))(x, w, b)
-    _close(out, x @ w + b)
+    tree_close(out, x @ w + b)
     assert rec.calls == [(((3,), True), ((3, 2), False), ((2,), False))]
 
 
@@ -234,7 +231,7 @@ def test_axis_size_with_nothing_batched():
     x = _arange(3)
     out = jax.vmap(f, in_axes=None, axis_size=4)(x)
     assert out.shape == (4, 3)
-    _close(out, np.broadcast_to(np.exp(np.asarray(x)), (4, 3)))
+    tree_close(out, np.broadcast_to(np.exp(np.asarray(x)), (4, 3)))
     assert len(rec.calls) == 1 and rec.calls[0] == (((3,), False),)
 
 
@@ -242,8 +239,8 @@ def test_python_number_outputs_are_batched():
     f = torchjax.to_jax(lambda x: (x.sum(), 2.0))
     s, two = jax.vmap(f)(_arange(4, 3))
     assert two.shape == (4,)
-    _close(two, np.full(4, 2.0))
-    _close(s, np.asarray(_arange(4, 3)).sum(1))
+    tree_close(two, np.full(4, 2.0))
+    tree_close(s, np.asarray(_arange(4, 3)).sum(1))
 
 
 @settings(max_examples=8, deadline=None)
@@ -269,7 +266,7 @@ def test_in_axes_hypothesis(axes, n):
         d[key] = _arange(*shape, scale=0.05)
     in_axes = ({k: a for k, a in zip("abc", axes, strict=True)},)
     f = torchjax.to_jax(torch_fn)
-    _close(jax.vmap(f, in_axes=in_axes)(d), jax.vmap(jax_fn, in_axes=in_axes)(d))
+    tree_close(jax.vmap(f, in_axes=in_axes)(d), jax.vmap(jax_fn, in_axes=in_axes)(d))
 
 
 # -- vmap_method -------------------------------------------------------------------------
@@ -285,10 +282,10 @@ def test_sequential_runs_data_dependent_code_one_call_per_example():
     f = torchjax.to_jax(rec, result_shape_dtypes=lambda x: x, vmap_method="sequential")
     x = jnp.array([[1.0, 2.0], [-3.0, 1.0], [0.5, -0.1]])
     out = jax.vmap(f)(x)
-    _close(out, np.stack([_data_dependent(_t(r)).numpy() for r in x]))
+    tree_close(out, np.stack([_data_dependent(_t(r)).numpy() for r in x]))
     assert rec.calls == [(((2,), False),)] * 3
     rec.calls.clear()
-    _close(jax.jit(jax.vmap(f))(x), out)
+    tree_close(jax.jit(jax.vmap(f))(x), out)
     assert len(rec.calls) == 3
 
 
@@ -297,11 +294,11 @@ def test_sequential_item_and_unbatched_args():
     f = torchjax.to_jax(rec, result_shape_dtypes=lambda x, w: x, vmap_method="sequential")
     x, w = _arange(4, 3), _arange(4, 2)
     out = jax.vmap(f, in_axes=(0, 0))(x, w)
-    _close(out, x * w.sum(1, keepdims=True))
+    tree_close(out, x * w.sum(1, keepdims=True))
     assert len(rec.calls) == 4
     rec.calls.clear()
     out = jax.vmap(f, in_axes=(0, None))(x, w[0])
-    _close(out, x * w[0].sum())
+    tree_close(out, x * w[0].sum())
     assert rec.calls == [(((3,), False), ((2,), False))] * 4
 
 
@@ -310,7 +307,7 @@ def test_sequential_nested_makes_one_call_per_pair():
     f = torchjax.to_jax(rec, result_shape_dtypes=lambda x, y: x, vmap_method="sequential")
     x, y = _arange(2, 3), _arange(4, 5)
     out = jax.vmap(jax.vmap(f, in_axes=(None, 0)), in_axes=(0, None))(x, y)
-    _close(out, x[:, None, :] * y.sum(1)[None, :, None])
+    tree_close(out, x[:, None, :] * y.sum(1)[None, :, None])
     assert len(rec.calls) == 8
 
 
@@ -319,13 +316,13 @@ def test_expand_dims_gives_unbatched_args_a_size_one_axis():
     f = torchjax.to_jax(rec, vmap_method="expand_dims")
     x, w = _arange(4, 3), _arange(3, 2)
     out = jax.vmap(f, in_axes=(0, None))(x, w)
-    _close(out, x @ w)
+    tree_close(out, x @ w)
     assert rec.calls == [(((4, 3), False), ((1, 3, 2), False))]
     rec.calls.clear()
     # nested: each level adds its own leading axis
     ws = jnp.stack([w, 2 * w])
     out = jax.vmap(jax.vmap(f, in_axes=(0, None)), in_axes=(None, 0))(x, ws)
-    _close(out, jnp.einsum("bi,wij->wbj", x, ws))
+    tree_close(out, jnp.einsum("bi,wij->wbj", x, ws))
     assert len(rec.calls) == 1
 
 
@@ -335,11 +332,11 @@ def test_broadcast_all_broadcasts_unbatched_args():
     f = torchjax.to_jax(rec, vmap_method="broadcast_all")
     x, w = _arange(4, 3), _arange(3, 2)
     out = jax.vmap(f, in_axes=(0, None))(x, w)
-    _close(out, x @ w)
+    tree_close(out, x @ w)
     assert rec.calls == [(((4, 3), False), ((4, 3, 2), False))]
     rec.calls.clear()
     out = jax.vmap(f, in_axes=(1, None), out_axes=1)(x.T, w)
-    _close(out, (x @ w).T)
+    tree_close(out, (x @ w).T)
 
 
 def test_torch_method_vmap_cannot_batch_names_sequential():
@@ -350,7 +347,7 @@ def test_torch_method_vmap_cannot_batch_names_sequential():
 
     f = torchjax.to_jax(fill)
     x = _arange(4, 3)
-    _close(f(x[0]), x[0])  # fine unbatched
+    tree_close(f(x[0]), x[0])  # fine unbatched
     with pytest.raises(VmapError, match=SEQUENTIAL):
         jax.vmap(f)(x)
     # The batched function is never fake-run (its types follow from fill's): under jit
@@ -358,7 +355,7 @@ def test_torch_method_vmap_cannot_batch_names_sequential():
     with pytest.raises(Exception, match=SEQUENTIAL):
         jax.jit(jax.vmap(f))(x)
     g = torchjax.to_jax(fill, vmap_method="sequential")
-    _close(jax.vmap(g)(x), x)
+    tree_close(jax.vmap(g)(x), x)
 
 
 def test_item_without_declared_shapes_asks_for_result_shape_dtypes():
@@ -434,8 +431,8 @@ def test_jit_of_vmap_and_vmap_of_jit():
     f = torchjax.to_jax(rec)
     x, w = _arange(4, 3), _arange(3, 2)
     ref = jax.vmap(_cell_jax, in_axes=(0, None))(x, w)
-    _close(jax.jit(jax.vmap(f, in_axes=(0, None)))(x, w), ref)
-    _close(jax.vmap(jax.jit(f), in_axes=(0, None))(x, w), ref)
+    tree_close(jax.jit(jax.vmap(f, in_axes=(0, None)))(x, w), ref)
+    tree_close(jax.vmap(jax.jit(f), in_axes=(0, None))(x, w), ref)
     assert len(rec.calls) == 2 and all(c[0] == ((3,), True) for c in rec.calls)
 
 
@@ -446,8 +443,8 @@ def test_three_levels_with_jit_between_is_one_call():
     vm = lambda g, ax: jax.vmap(g, in_axes=ax)
     nested = vm(jax.jit(vm(jax.jit(vm(f, (0, None))), (0, 0))), (0, None))
     ref = vm(vm(vm(_cell_jax, (0, None)), (0, 0)), (0, None))(x, w)
-    _close(jax.jit(nested)(x, w), ref)
-    _close(nested(x, w), ref)
+    tree_close(jax.jit(nested)(x, w), ref)
+    tree_close(nested(x, w), ref)
     assert len(rec.calls) == 2
     assert all(c == (((3,), True), ((3, 2), True)) for c in rec.calls)
 
@@ -456,13 +453,13 @@ def test_vmap_of_grad_and_grad_of_vmap():
     f = torchjax.to_jax(lambda x, w: _cell(x, w).pow(2).sum())
     fj = lambda x, w: (_cell_jax(x, w) ** 2).sum()
     x, w = _arange(4, 3), _arange(3, 2)
-    _close(
+    tree_close(
         jax.vmap(jax.grad(f, argnums=1), in_axes=(0, None))(x, w),
         jax.vmap(jax.grad(fj, argnums=1), in_axes=(0, None))(x, w),
     )
     loss = lambda f: lambda w: jax.vmap(f, in_axes=(0, None))(x, w).sum()
-    _close(jax.grad(loss(f))(w), jax.grad(loss(fj))(w))
-    _close(jax.jit(jax.grad(loss(f)))(w), jax.grad(loss(fj))(w))
+    tree_close(jax.grad(loss(f))(w), jax.grad(loss(fj))(w))
+    tree_close(jax.jit(jax.grad(loss(f)))(w), jax.grad(loss(fj))(w))
 
 
 # -- expand_dims / broadcast_all with declared output types ------------------------------
@@ -483,11 +480,11 @@ def test_leading_axis_methods_with_declared_per_example_shapes(method):
     )
     x, w = _arange(4, 3), _arange(3, 2)
     ref = jnp.tanh(x @ w)
-    _close(jax.vmap(f, in_axes=(0, None))(x, w), ref)
-    _close(jax.jit(jax.vmap(f, in_axes=(0, None)))(x, w), ref)
+    tree_close(jax.vmap(f, in_axes=(0, None))(x, w), ref)
+    tree_close(jax.jit(jax.vmap(f, in_axes=(0, None)))(x, w), ref)
     ws = jnp.stack([w, -w])
     nested = jax.vmap(jax.vmap(f, in_axes=(0, None)), in_axes=(None, 0))
-    _close(nested(x, ws), jnp.tanh(jnp.einsum("bi,wij->wbj", x, ws)))
+    tree_close(nested(x, ws), jnp.tanh(jnp.einsum("bi,wij->wbj", x, ws)))
 
 
 @pytest.mark.parametrize("method", ["expand_dims", "broadcast_all"])
@@ -508,7 +505,7 @@ def test_python_number_outputs_keep_their_dtype_under_vmap():
         assert [o.dtype for o in jax.vmap(f)(x)] == unbatched
         grads = jax.vmap(jax.grad(lambda x: f(x)[0] + f(x)[1]))(x)
         assert grads.dtype == jnp.float64
-        _close(grads, np.ones((2, 3)))
+        tree_close(grads, np.ones((2, 3)))
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -521,11 +518,11 @@ def test_vmap_without_torch_func_wrapper_matches_torch_func_vmap(monkeypatch, fa
     fj = lambda x, w: (jnp.tanh(x @ w), x.argmax(), x.shape[0])
     xs, w = _arange(2, 3, 4) / 10, _arange(4, 5) / 10
     inner = lambda f: jax.vmap(f, in_axes=(0, None))
-    _close(
+    tree_close(
         jax.vmap(inner(f), in_axes=(0, None))(xs, w), jax.vmap(inner(fj), in_axes=(0, None))(xs, w)
     )
     loss = lambda f: lambda x, w: f(x, w)[0].sum()
-    _close(
+    tree_close(
         jax.vmap(jax.grad(loss(f), argnums=1), in_axes=(0, None))(xs, w),
         jax.vmap(jax.grad(loss(fj), argnums=1), in_axes=(0, None))(xs, w),
     )

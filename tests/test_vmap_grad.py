@@ -4,22 +4,14 @@
 # derivative should be one torch.func.vmap call, the tests count real torch calls.
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
+from helpers import tree_close
 from torch._subclasses.fake_tensor import is_fake
 
 import torchjax
-
-
-def _close(actual: Any, expected: Any, rtol: float = 1e-4, atol: float = 1e-5) -> None:
-    jax.tree.map(
-        lambda a, e: np.testing.assert_allclose(a, e, rtol=rtol, atol=atol), actual, expected
-    )
 
 
 def _cubic(x):
@@ -54,7 +46,7 @@ def test_composition(name, jit):
     xs = XS.reshape(2, 2, 3) if name == "vmap(vmap(grad))" else XS
     g = t(torchjax.to_jax(_cubic))
     g = jax.jit(g) if jit else g
-    _close(g(xs), jax.jit(t(_cubic_jax))(xs))
+    tree_close(g(xs), jax.jit(t(_cubic_jax))(xs))
 
 
 def test_vmap_of_hessian_survives_the_fake_tensor_bug():
@@ -73,7 +65,7 @@ def test_vmap_of_hessian_survives_the_fake_tensor_bug():
         torch_side(torch.empty(2, 3), torch.empty(3, 3))
 
     f = torchjax.to_jax(lambda x: (x * x * x).sum())
-    _close(jax.vmap(jax.hessian(f))(XS), jax.vmap(lambda x: jnp.diag(6 * x))(XS))
+    tree_close(jax.vmap(jax.hessian(f))(XS), jax.vmap(lambda x: jnp.diag(6 * x))(XS))
 
 
 def test_per_example_gradients_are_one_torch_call():
@@ -92,7 +84,7 @@ def test_per_example_gradients_are_one_torch_call():
     ys = jnp.array([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5], [-1.0, 1.0]])
     g = jax.jit(jax.vmap(jax.grad(torchjax.to_jax(loss)), in_axes=(None, 0, 0)))
     out = g(params, XS, ys)
-    _close(out, jax.vmap(jax.grad(loss_jax), in_axes=(None, 0, 0))(params, XS, ys))
+    tree_close(out, jax.vmap(jax.grad(loss_jax), in_axes=(None, 0, 0))(params, XS, ys))
     assert out["w"].shape == (4, 3, 2)
     # jit drops the unused primal call: one batched VJP call, on per-example shapes
     assert calls == [(3,)]
@@ -105,7 +97,7 @@ def test_grad_of_nested_dict_vmap():
     loss = lambda f: (
         lambda a, b: jax.vmap(f, in_axes=({"a": 0, "b": 1},))({"a": a[:, :2], "b": b}).sum()
     )
-    _close(jax.grad(loss(f), argnums=(0, 1))(a, b), jax.grad(loss(fj), argnums=(0, 1))(a, b))
+    tree_close(jax.grad(loss(f), argnums=(0, 1))(a, b), jax.grad(loss(fj), argnums=(0, 1))(a, b))
 
 
 def test_sequential_vmap_of_grad_of_data_dependent_code():
@@ -120,10 +112,10 @@ def test_sequential_vmap_of_grad_of_data_dependent_code():
         result_shape_dtypes=jax.ShapeDtypeStruct((), jnp.float32),
         vmap_method="sequential",
     )
-    _close(jax.jit(jax.vmap(jax.grad(f)))(XS), jax.vmap(jax.grad(jax_f))(XS))
-    _close(jax.jit(jax.vmap(jax.hessian(f)))(XS), jax.vmap(jax.hessian(jax_f))(XS))
+    tree_close(jax.jit(jax.vmap(jax.grad(f)))(XS), jax.vmap(jax.grad(jax_f))(XS))
+    tree_close(jax.jit(jax.vmap(jax.hessian(f)))(XS), jax.vmap(jax.hessian(jax_f))(XS))
     grad_of_vmap = jax.jit(jax.grad(lambda xs: jax.vmap(f)(xs).sum()))
-    _close(grad_of_vmap(XS), jax.vmap(jax.grad(jax_f))(XS))
+    tree_close(grad_of_vmap(XS), jax.vmap(jax.grad(jax_f))(XS))
 
 
 # -- derivatives under vmap_method "expand_dims" / "broadcast_all" -----------------------
@@ -161,4 +153,4 @@ def test_leading_axis_methods_compose_with_autodiff(name, method, declared):
     rsd = (lambda x, w: jax.ShapeDtypeStruct(x.shape[:-1], x.dtype)) if declared else None
     f = torchjax.to_jax(_einsum_loss, vmap_method=method, result_shape_dtypes=rsd)
     t = LEADING[name]
-    _close(jax.jit(t(f))(XS, W), t(_einsum_loss_jax)(XS, W))
+    tree_close(jax.jit(t(f))(XS, W), t(_einsum_loss_jax)(XS, W))

@@ -49,25 +49,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The core tests: every transform and their compositions, conversion, the primitive, the
-# private-API registry, the in-place guard, shard_map and state isolation. They need no
-# optional extras (transformers, flax, numpyro, diffrax), only TEST_TOOLS.
-CORE_TESTS = (
-    "tests/test_compat.py",
-    "tests/test_to_jax.py",
-    "tests/test_grad.py",
-    "tests/test_vmap.py",
-    "tests/test_jvp.py",
-    "tests/test_hessian.py",
-    "tests/test_convert.py",
-    "tests/test_primitive.py",
-    "tests/test_torch_func_agreement.py",
-    "tests/test_one_forward.py",
-    "tests/test_to_torch.py",
-    "tests/test_no_corruption.py",
-    "tests/test_multidevice.py",
-    "tests/test_state_isolation.py",
-)
+# The core tests: the test modules that mark themselves `pytestmark = pytest.mark.core`
+# (tests/conftest.py's --core option selects them): every transform and their compositions,
+# conversion, the primitive, the private-API registry and torch's messages, the in-place
+# guard, shard_map and state isolation. They need no optional extras (transformers, flax,
+# numpyro, diffrax), only TEST_TOOLS.
+CORE_TESTS = ("--core", "tests")
+
 
 # Test dependencies, at the versions requirements-dev.txt pins (optax: test_multidevice).
 TEST_TOOLS = ("pytest", "hypothesis", "optax")

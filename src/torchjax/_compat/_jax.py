@@ -282,6 +282,24 @@ def tangent_aval(aval: Any) -> Any:
     return aval.to_tangent_aval()
 
 
+# Tracebacks: an error in a wrapped call shows the user's frames, not torchjax's (JAX's own
+# traceback filtering, which hides JAX's frames below its API boundaries).
+_NO_FILTERING = "tracebacks of errors in wrapped calls show torchjax's frames too"
+_register_exclusion = private("jax._src.traceback_util.register_exclusion", fallback=_NO_FILTERING)
+_api_boundary = private("jax._src.traceback_util.api_boundary", fallback=_NO_FILTERING)
+
+
+def hide_frames_under(path: str) -> None:
+    """Leave the frames of files under `path` out of the tracebacks JAX filters."""
+    if _register_exclusion is not ABSENT:
+        _register_exclusion(path)
+
+
+def traceback_boundary(fn: Any) -> Any:
+    """`fn`, made a boundary below which JAX filters an exception's traceback."""
+    return fn if _api_boundary is ABSENT else _api_boundary(fn)
+
+
 # ---------------------------------------------------------------------------------------
 # JAX and jaxlib: the x64 flag, DLPack, arrays' devices (_convert.py, _torch_call.py)
 # ---------------------------------------------------------------------------------------

@@ -34,9 +34,9 @@ from torchjax._compat._torch import (
     storage_id,
 )
 from torchjax._errors import StateWarning, VariablesError
-from torchjax._to_jax._fake_isolation import ModulesSnapshot
 from torchjax._to_jax._fake_run import real_mode
 from torchjax._to_jax._residual import HeldState, KeptGraph, hold, input_view, rebuild_input_view
+from torchjax._to_jax._snapshots import ModulesSnapshot
 
 GROUPS = ("params", "buffers")
 _setitem = operator.setitem

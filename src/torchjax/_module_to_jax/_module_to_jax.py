@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import torch
 
+from torchjax._compat._jax import traceback_boundary
 from torchjax._compat._torch import (
     compiled_original,
     detect_fake_mode,
@@ -35,7 +36,7 @@ from torchjax._to_jax._guard import same_bytes
 from torchjax._to_jax._options import GradMethod, VmapMethod, VmapRandomness
 from torchjax._to_jax._to_jax import to_jax
 
-__all__ = ["VariablesError", "module_to_jax"]  # VariablesError: importable here as before
+__all__ = ["module_to_jax"]
 
 _tree = jax.tree_util
 
@@ -336,6 +337,7 @@ def module_to_jax(
         "buffers": _to_jax_copy(impl.state.buffers, copy),
     }
 
+    @traceback_boundary  # an error's traceback starts at the user's call
     def apply(variables: Any, *args: Any, mutable: bool = False, rng: Any = None, **kwargs: Any):
         try:
             params, buffers = variables["params"], variables["buffers"]

@@ -21,9 +21,8 @@ import torch
 
 from torchjax._compat._torch import storage_id as _storage_id
 from torchjax._compat._torch import storage_use_count as _uses
-from torchjax._compat._torch import tensor_use_count
+from torchjax._compat._torch import tensor_from_capsule, tensor_use_count
 from torchjax._convert import (
-    _tensor_from_capsule,
     array_to_tensor,
     check_has_data,
     narrow_checked,
@@ -90,10 +89,10 @@ def callback_call(
                 _run_into(run, ins, outs, out_paths, torch.from_dlpack)
             return
         # The CPU path, inlined: this runs on every call of a jitted function.
-        tensors = [_tensor_from_capsule(b.__dlpack__()) for b in ins]
+        tensors = [tensor_from_capsule(b.__dlpack__()) for b in ins]
         results = run(tensors)
         for buf, value, where in zip(outs, results, out_paths, strict=True):
-            dst = _tensor_from_capsule(buf.__dlpack__())
+            dst = tensor_from_capsule(buf.__dlpack__())
             if value.dtype is not dst.dtype:
                 write_output(dst, value, where)
             else:

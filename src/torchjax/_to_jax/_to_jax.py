@@ -11,6 +11,7 @@ from typing import Any, overload
 
 import jax
 
+from torchjax._compat._jax import traceback_boundary
 from torchjax._convert import is_array
 from torchjax._errors import StaticArgumentError
 from torchjax._to_jax._callables import UserFunction
@@ -116,6 +117,7 @@ def to_jax(
     params = torch_call_p._bound_params({"fn": user, "options": options})
 
     @functools.wraps(fn)
+    @traceback_boundary  # an error's traceback starts at the user's call
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         try:
             return torch_call_p._bind((args, kwargs), params)

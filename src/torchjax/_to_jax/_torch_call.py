@@ -19,9 +19,10 @@
 # keeps in tables of its own.
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from torchjax._compat._jax import jax_config, register_linearization
+from torchjax._compat._jax import hide_frames_under, jax_config, register_linearization
 from torchjax._compat._jax import partial_eval as pe
 from torchjax._primitive._core import PytreePrimitive
 
@@ -63,6 +64,10 @@ class TorchCallPrimitive(PytreePrimitive):
 
 
 torch_call_p = TorchCallPrimitive("torch_call")
+
+# An error in a wrapped call shows the user's frames (their call, their torch code), not
+# torchjax's, wherever JAX filters tracebacks: torchjax is one more layer of JAX to them.
+hide_frames_under(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Every rule, registered here and nowhere else. The rule modules bind torch_call_p, so they
 # are imported once it exists.

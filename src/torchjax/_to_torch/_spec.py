@@ -1,6 +1,6 @@
 # The JAX side of to_torch: a JAX function as torch calls it.
 #
-# A `_Spec` holds one *flat* JAX function (arrays in, tuple of arrays out) for one call
+# A `Spec` holds one *flat* JAX function (arrays in, tuple of arrays out) for one call
 # signature, its jitted form, and the specs derived from it: the vjp (torch's backward),
 # the jvp (forward mode) and jax.vmap'ed versions (torch.func.vmap), each again a flat JAX
 # function in a spec. `run_spec` runs a spec on tensors, through DLPack, or through one
@@ -25,7 +25,7 @@ def _is_diff(dtype: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
-class _Spec:
+class Spec:
     """A flat JAX function at one input signature, with its jitted form and derivatives.
 
     `fn` takes one array per entry of `in_avals` and returns a tuple of arrays. Derived
@@ -65,7 +65,7 @@ class _Spec:
             _is_diff(a.dtype) and i < n_main for i, a in enumerate(self.out_avals)
         )
         self.out_specs = tuple(zip(self.out_avals, self.out_dtypes, strict=True))
-        self._derived: dict[Any, _Spec] = {}
+        self._derived: dict[Any, Spec] = {}
         self.op_id: int | None = None
 
     def __repr__(self) -> str:
@@ -88,7 +88,7 @@ class _Spec:
             result.append(t)
         return tuple(result)
 
-    def _derive(self, key: Any, build: Callable[[], _Spec]) -> _Spec:
+    def _derive(self, key: Any, build: Callable[[], Spec]) -> Spec:
         spec = self._derived.get(key)
         if spec is None:
             spec = self._derived[key] = build()
@@ -107,14 +107,14 @@ class _Spec:
 
         return f
 
-    def vjp(self, wrt: tuple[int, ...]) -> _Spec:
+    def vjp(self, wrt: tuple[int, ...]) -> Spec:
         """Spec of `(*primals, *cotangents of diff outputs) -> grads of inputs wrt`.
 
         Torch's complex convention is the conjugate of JAX's (torch's backward returns the
         conjugate Wirtinger gradient), hence the conjugations around `jax.vjp`.
         """
 
-        def build() -> _Spec:
+        def build() -> Spec:
             n, f = len(self.in_avals), self._restricted(wrt)
 
             def vjp_fn(*arrays: Any) -> tuple:
@@ -125,14 +125,14 @@ class _Spec:
 
             cts = [a for a, d in zip(self.out_avals, self.diff_out, strict=True) if d]
             paths = [*self.in_paths, *(f"cotangent[{i}]" for i in range(len(cts)))]
-            return _Spec(f"vjp({self.name})", vjp_fn, [*self.in_avals, *cts], paths)
+            return Spec(f"vjp({self.name})", vjp_fn, [*self.in_avals, *cts], paths)
 
         return self._derive(("vjp", wrt), build)
 
-    def jvp(self, wrt: tuple[int, ...]) -> _Spec:
+    def jvp(self, wrt: tuple[int, ...]) -> Spec:
         """Spec of `(*primals, *tangents of inputs wrt) -> tangents of diff outputs`."""
 
-        def build() -> _Spec:
+        def build() -> Spec:
             n, f = len(self.in_avals), self._restricted(wrt)
 
             def jvp_fn(*arrays: Any) -> tuple:
@@ -143,21 +143,21 @@ class _Spec:
 
             tangents = [self.in_avals[i] for i in wrt]
             paths = [*self.in_paths, *(f"tangent[{i}]" for i in wrt)]
-            return _Spec(f"jvp({self.name})", jvp_fn, [*self.in_avals, *tangents], paths)
+            return Spec(f"jvp({self.name})", jvp_fn, [*self.in_avals, *tangents], paths)
 
         return self._derive(("jvp", wrt), build)
 
-    def batched(self, in_dims: tuple[int | None, ...], size: int) -> _Spec:
+    def batched(self, in_dims: tuple[int | None, ...], size: int) -> Spec:
         """Spec of the function `jax.vmap`ed over `in_dims`; every output batched at 0."""
 
-        def build() -> _Spec:
+        def build() -> Spec:
             fn = jax.vmap(self.fn, in_axes=in_dims, out_axes=0, axis_size=size)
             avals = []
             for a, d in zip(self.in_avals, in_dims, strict=True):
                 if d is not None:
                     a = jax.ShapeDtypeStruct((*a.shape[:d], size, *a.shape[d:]), a.dtype)
                 avals.append(a)
-            return _Spec(f"vmap({self.name})", fn, avals, list(self.in_paths), self.n_aux)
+            return Spec(f"vmap({self.name})", fn, avals, list(self.in_paths), self.n_aux)
 
         return self._derive(("vmap", in_dims, size), build)
 
@@ -165,7 +165,7 @@ class _Spec:
 # torch.compile: tracing runs the function on fake tensors, which have no data for JAX.
 # There `forward` calls one opaque custom op instead, whose fake kernel answers with the
 # spec's output shapes; the int argument finds the spec again when the graph runs.
-_OP_SPECS: list[_Spec] = []
+_OP_SPECS: list[Spec] = []
 _op: Any = None
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -192,7 +192,7 @@ def _jax_call_op() -> Any:
     return _op
 
 
-def run_spec(spec: _Spec, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def run_spec(spec: Spec, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     if all(type(t) in _PLAIN for t in tensors):
         return spec.run(tensors)
     # Fake or functional tensors: torch.compile is tracing.

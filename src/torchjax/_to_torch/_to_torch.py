@@ -1,6 +1,6 @@
 # to_torch: call a JAX function from PyTorch, with autograd and torch.func support.
 #
-# A call flattens its arguments into tensor leaves and static leaves, and looks up a `_Spec`
+# A call flattens its arguments into tensor leaves and static leaves, and looks up a `Spec`
 # (_spec.py) for the signature (tree structure, static values, shapes, dtypes, x64
 # mode). A spec holds one *flat* JAX function -- arrays in, tuple of arrays out -- and its
 # jitted form. Every derived function is again a flat JAX function in a spec: the vjp
@@ -21,7 +21,7 @@ import torch
 from torchjax._compat._torch import forward_ad_active, functorch_transforms_active
 from torchjax._convert import canonical_jax_dtype
 from torchjax._errors import ConversionError, JaxOutputError, StaticArgumentError
-from torchjax._to_torch._spec import _Spec, run_spec
+from torchjax._to_torch._spec import Spec, run_spec
 
 _tree = jax.tree_util
 
@@ -80,10 +80,10 @@ def _thaw(tree: Any) -> Any:
 
 
 class _JaxFunction(torch.autograd.Function):
-    """Runs a `_Spec` on tensors; its rules call derived specs through this same class."""
+    """Runs a `Spec` on tensors; its rules call derived specs through this same class."""
 
     @staticmethod
-    def forward(spec: _Spec, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(spec: Spec, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Contract: plain tensors in (torch unwraps transforms); one tensor per output."""
         return run_spec(spec, tensors)
 
@@ -130,7 +130,7 @@ class _JaxFunction(torch.autograd.Function):
         return tuple(next(outs) if d else None for d in spec.diff_out)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, spec: _Spec, *tensors: torch.Tensor) -> tuple:
+    def vmap(info: Any, in_dims: tuple, spec: Spec, *tensors: torch.Tensor) -> tuple:
         """Contract: `in_dims` has one entry per forward input (`None`: unbatched); returns
         the batched outputs and their batch dims. One batched JAX call via jax.vmap."""
         dims = tuple(in_dims[1:])
@@ -149,7 +149,7 @@ def _needs_autograd(tensors: list[torch.Tensor]) -> bool:
 
 def _build_spec(
     jax_fn: Callable, name: str, args: tuple, kwargs: dict, has_aux: bool = False
-) -> tuple[_Spec, Any]:
+) -> tuple[Spec, Any]:
     """Validate a new signature and build its spec; returns it with the output treedef.
 
     With `has_aux`, jax_fn returns `(out, aux)`; aux's leaves are the spec's last outputs,
@@ -212,7 +212,7 @@ def _build_spec(
         out_tree[:] = [tree]
         return tuple(out_leaves)
 
-    spec = _Spec(f"to_torch({name})", flat_fn, avals, paths, n_aux=lambda: n_aux[0])
+    spec = Spec(f"to_torch({name})", flat_fn, avals, paths, n_aux=lambda: n_aux[0])
     return spec, out_tree[0]
 
 
@@ -282,7 +282,7 @@ def to_torch(jax_fn: Callable[..., Any] | None = None, *, has_aux: bool = False)
     if not callable(jax_fn):
         raise TypeError(f"to_torch(jax_fn): expected a JAX function, got {type(jax_fn).__name__}.")
     name = getattr(jax_fn, "__qualname__", None) or type(jax_fn).__qualname__
-    cache: dict[tuple, tuple[_Spec, Any]] = {}
+    cache: dict[tuple, tuple[Spec, Any]] = {}
 
     def call(*args: Any, **kwargs: Any) -> Any:
         leaves, treedef = _tree.tree_flatten((args, kwargs))

@@ -1,0 +1,191 @@
+# Python state, recorded and put back: a module's own, a dict's entries, a list's items.
+#
+# module_to_jax resets each private module copy to its template's state after every call
+# (ModulesSnapshot, checked in C for the whole module tree), and a fake run puts back what
+# it touched in the user's objects (_fake_isolation.py): a module's whole state, elsewhere
+# only the entries that came to hold a fake tensor.
+from __future__ import annotations
+
+import collections
+import copy
+import operator
+from typing import Any
+
+import torch
+
+from torchjax._compat._torch import is_fake, module_buffers, module_children, module_parameters
+
+# Entries every nn.Module has in its __dict__ (hook tables, flags): torch's bookkeeping,
+# which a forward does not change. Other dicts, lists and sets are the module's own state
+# (caches filled in place) and are put back too.
+TORCH_ENTRIES = frozenset(torch.nn.Module().__dict__)
+_CONTAINERS = (dict, list, set, collections.OrderedDict, collections.defaultdict)
+_is = operator.is_
+
+
+class ModuleSnapshot:
+    """A module's own Python state: its __dict__ entries, the contents of its containers
+    (caches filled in place) and of its submodule table, and how many parameters and
+    buffers it has (their values are slots, which callers set themselves). Not its
+    submodules' state (take one of each) nor the insides of other objects it refers to.
+
+    `changed` runs after every module_to_jax call, for every submodule: it is a handful of
+    identity checks in C where nothing changed.
+    """
+
+    __slots__ = (
+        "module",
+        "entries",
+        "tables",
+        "sizes",
+        "containers",
+        "_param_table",
+        "_buffer_table",
+        "_child_table",
+        "_saved_children",
+    )
+
+    def __init__(self, module: torch.nn.Module):
+        d = module.__dict__
+        self.module = module
+        self.entries = dict(d)
+        tables = (module_parameters(module), module_buffers(module), module_children(module))
+        self.tables = [(t, dict(t)) for t in tables]
+        self._param_table, self._buffer_table, self._child_table = tables
+        self._saved_children = self.tables[2][1]
+        self.sizes = (len(tables[0]), len(tables[1]))
+        self.containers = [
+            (v, copy.copy(v))
+            for k, v in d.items()
+            if k not in TORCH_ENTRIES and type(v) in _CONTAINERS
+        ]
+
+    def changed(self) -> bool:
+        """Whether the module's state differs from the snapshot (cheap when it does not).
+
+        The dicts compare in C, where an entry that is the same object is equal without
+        asking it; an entry that is not asks its __eq__, and anything but a plain "equal"
+        (a tensor's elementwise answer, a fake tensor's refusal) counts as a change.
+        """
+        try:
+            if self.module.__dict__ != self.entries or self._child_table != self._saved_children:
+                return True
+        except Exception:
+            return True
+        if (len(self._param_table), len(self._buffer_table)) != self.sizes:
+            return True
+        return bool(self.containers) and any(_differs(v, saved) for v, saved in self.containers)
+
+    def restore(self) -> None:
+        d = self.module.__dict__
+        d.clear()
+        d.update(self.entries)
+        for table, saved in self.tables:
+            table.clear()
+            table.update(saved)
+        for v, saved in self.containers:
+            v.clear()
+            if isinstance(v, list):
+                v.extend(saved)
+            else:
+                v.update(saved)
+
+    def set_training(self, mode: bool) -> None:
+        """Set the module's mode, as part of the state it is restored to."""
+        self.module.training = mode
+        self.entries["training"] = mode
+
+
+class ModulesSnapshot:
+    """ModuleSnapshots of a module and all its submodules, checked all at once: after every
+    module_to_jax call, where nothing changed, a few comparisons in C for the whole tree."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.each = [ModuleSnapshot(m) for m in module.modules()]
+        self._dicts = [s.module.__dict__ for s in self.each] + [s._child_table for s in self.each]
+        self._saved = [s.entries for s in self.each] + [s._saved_children for s in self.each]
+        self._tables = [t for s in self.each for t in (s._param_table, s._buffer_table)]
+        self._sizes = [n for s in self.each for n in s.sizes]
+        self._with_containers = [s for s in self.each if s.containers]
+
+    def restore_changed(self) -> None:
+        """Put back the state of every module that changed (see ModuleSnapshot.changed)."""
+        try:
+            same = self._dicts == self._saved and list(map(len, self._tables)) == self._sizes
+        except Exception:
+            same = False
+        if same and not any(s.changed() for s in self._with_containers):
+            return
+        for s in self.each:
+            if s.changed():
+                s.restore()
+
+
+def _differs(v: Any, saved: Any) -> bool:
+    if len(v) != len(saved):
+        return True
+    if isinstance(v, dict):
+        return not all(map(_is, v.values(), saved.values())) or v.keys() != saved.keys()
+    if isinstance(v, list):
+        return not all(map(_is, v, saved))
+    return v != saved
+
+
+class DictSnapshot:
+    """The entries of a dict (all of them, or the globals a function names). Only entries
+    that came to hold a fake tensor are put back: another thread may change the same dict
+    for real meanwhile (append results, fill a cache), and that must stay."""
+
+    __slots__ = ("d", "saved", "every")
+
+    def __init__(self, d: dict, keys: Any = None):
+        self.d, self.every = d, keys is None
+        self.saved = dict(d) if keys is None else {k: d.get(k, _MISSING) for k in keys}
+
+    def changed(self) -> bool:
+        d = self.d
+        if self.every and len(d) != len(self.saved):
+            return True
+        return any(d.get(k, _MISSING) is not v for k, v in self.saved.items())
+
+    def restore(self) -> None:
+        d, saved = self.d, self.saved
+        keys = list(d) if self.every else list(saved)
+        for k in keys:
+            now, before = d.get(k, _MISSING), saved.get(k, _MISSING)
+            if now is not before and has_fake(now):
+                if before is _MISSING:
+                    del d[k]
+                else:
+                    d[k] = before
+
+
+class ListSnapshot:
+    """A list's items; as for dicts, only items holding a fake tensor that the list did not
+    hold before are taken out."""
+
+    __slots__ = ("items", "saved")
+
+    def __init__(self, items: list):
+        self.items, self.saved = items, list(items)
+
+    def changed(self) -> bool:
+        return len(self.items) != len(self.saved) or not all(map(_is, self.items, self.saved))
+
+    def restore(self) -> None:
+        before = {id(x) for x in self.saved}
+        self.items[:] = [x for x in self.items if id(x) in before or not has_fake(x)]
+
+
+def has_fake(value: Any) -> bool:
+    """Whether `value` is a fake tensor or a container holding one (one level down)."""
+    if isinstance(value, torch.Tensor):
+        return is_fake(value)
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, list | tuple | set | frozenset):
+        return False
+    return any(isinstance(x, torch.Tensor) and is_fake(x) for x in value)
+
+
+_MISSING = object()

@@ -1,0 +1,160 @@
+"""Every phrase of torch's (and jaxlib's) error messages that torchjax matches, provoked from
+torch itself: a release that rewords one fails here, by phrase (the matrix runs this on the
+oldest and newest versions). The phrases live in src/torchjax/_compat/_messages.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+import torch
+from helpers import Cube, Square
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from torchjax._compat import _jax, _messages, _torch
+
+pytestmark = pytest.mark.core
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the message is what is tested
+        return e
+    raise AssertionError("expected torch to raise")
+
+
+def _fake(fn):
+    def run():
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fn(torch.ones(4))
+
+    return run
+
+
+def _double_backward(f, x):
+    x = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
+    torch.autograd.grad(g.sum(), x)
+
+
+FAKE_LIMITS = {
+    "data is not allocated": _fake(lambda x: torch.tensor_split(x, torch.tensor([1, 2]))),
+    "not supported for tensor subclasses": _fake(lambda x: x.numpy()),
+    "not available for 'meta' device type": _fake(lambda x: x.untyped_storage().tolist()),
+}
+
+AUTODIFF = {
+    "forward ad": lambda: torch.func.jvp(
+        lambda w: torch.nn.functional.embedding_bag(
+            torch.tensor([0, 1]), w.reshape(3, 1), torch.tensor([0]), mode="max"
+        )[0],
+        (torch.ones(3),),
+        (torch.ones(3),),
+    ),
+    "forward mode": lambda: torch.func.jvp(Square.apply, (torch.ones(3),), (torch.ones(3),)),
+    "jvp function": lambda: torch.func.jvp(Square.apply, (torch.ones(3),), (torch.ones(3),)),
+    "derivative for": lambda: _double_backward(
+        lambda x: torch.cdist(x, x + 1, p=3), torch.randn(3, 2)
+    ),
+    "functorch": lambda: torch.func.vjp(Cube.apply, torch.ones(3)),
+    "setup_context": lambda: torch.func.vjp(Cube.apply, torch.ones(3)),
+    "does not require grad and does not have a grad_fn": lambda: torch.autograd.grad(
+        torch.ones(2).sum(), [torch.ones(2, requires_grad=True)]
+    ),
+    "not differentiable": lambda: torch.func.vjp(
+        lambda a: torch.linalg.qr(a, mode="complete")[0], torch.randn(4, 3)
+    )[1](torch.ones(4, 4)),
+    "appears to not have been used in the graph": lambda: torch.autograd.grad(
+        (torch.ones(2, requires_grad=True) * 2).sum(), [torch.ones(2, requires_grad=True)]
+    ),
+}
+
+VMAP = {
+    "vmap": lambda: torch.func.vmap(lambda t: t.sum().item())(torch.ones(3, 2)),
+    "batching rule": lambda: torch.func.vmap(lambda t: torch.column_stack([t, t]))(
+        torch.ones(3, 2)
+    ),
+}
+
+
+def test_every_phrase_has_its_case_here():
+    assert set(FAKE_LIMITS) == set(_messages.FAKE_LIMIT_PHRASES)
+    assert set(AUTODIFF) == set(_messages.AUTODIFF_PHRASES)
+    assert set(VMAP) == set(_messages.VMAP_PHRASES)
+
+
+@pytest.mark.parametrize("phrase", sorted(FAKE_LIMITS))
+def test_fake_limit_phrase(phrase):
+    error = _raised(FAKE_LIMITS[phrase])
+    assert phrase in f"{type(error).__name__} {error}".lower(), error
+    assert _messages.is_fake_limit(error)
+
+
+def test_fake_limit_types():
+    for fn in (lambda x: x.sum().item(), lambda x: torch.nonzero(x)):
+        error = _raised(_fake(fn))
+        assert isinstance(error, _messages.FAKE_LIMIT_ERRORS), type(error)
+    assert not _messages.is_fake_limit(ValueError("the function's own"))
+
+
+@pytest.mark.parametrize("phrase", sorted(AUTODIFF))
+def test_autodiff_phrase(phrase):
+    error = _raised(AUTODIFF[phrase])
+    assert phrase in f"{type(error).__name__}: {error}".lower(), error
+    assert _messages.is_autodiff_failure(error)
+
+
+def test_forward_derivative_and_setup_context():
+    assert _messages.lacks_forward_derivative(_raised(AUTODIFF["forward ad"]))
+    assert _messages.lacks_forward_derivative(_raised(AUTODIFF["jvp function"]))
+    assert _messages.needs_setup_context(_raised(AUTODIFF["setup_context"]))
+    assert not _messages.is_autodiff_failure(ValueError("the function's own"))
+
+
+@pytest.mark.parametrize("phrase", sorted(VMAP))
+def test_vmap_phrase(phrase):
+    error = _raised(VMAP[phrase])
+    assert phrase in f"{type(error).__name__}: {error}".lower(), error
+    assert _messages.is_vmap_failure(error)
+
+
+def test_missing_batching_rule_and_randomness():
+    assert _messages.lacks_batching_rule(_raised(VMAP["batching rule"]))
+    random = _raised(lambda: torch.func.vmap(lambda t: t + torch.rand(2))(torch.ones(3, 2)))
+    assert _messages.refuses_randomness(random) and _messages.is_vmap_failure(random)
+
+
+def test_runs_autograd_itself():
+    def forces(x):
+        x = x.detach().requires_grad_(True)
+        return torch.autograd.grad((x**2).sum(), x)[0]
+
+    assert _messages.runs_autograd_itself(_raised(lambda: torch.func.vmap(forces)(torch.ones(3))))
+
+
+def test_saved_tensor_hooks():
+    def run():
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            torch.func.grad(lambda x: (x**2).sum())(torch.ones(3))
+
+    assert _messages.refuses_saved_tensor_hooks(_raised(run))
+
+
+def test_write_refusal():
+    t = torch.zeros(3)
+    _torch.set_throw_on_mutable_data_ptr(t)
+    error = _raised(lambda: t.add_(1))
+    assert _messages.WRITE_REFUSED in str(error) and _messages.is_write_refusal(error)
+    wrapped = RuntimeError("outer")
+    wrapped.__cause__ = error
+    assert _messages.is_write_refusal(wrapped)
+
+
+def test_jaxlib_signature_mismatch():
+    # jaxlib's DLPack import, called with one argument too many: nanobind's message.
+    capsule = torch.utils.dlpack.to_dlpack(torch.ones(2))
+    device = jax.devices("cpu")[0]
+    error = _raised(lambda: _jax.dlpack_import(capsule, device, None, None, None, None))
+    assert _messages.matches_no_signature(error), error
+    assert not _messages.matches_no_signature(ValueError(_messages.NO_MATCHING_SIGNATURE))
