@@ -5,6 +5,7 @@ one line per check and exits non-zero on the first failure.
 """
 
 import os
+import warnings
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
@@ -54,14 +55,26 @@ def check_local_shards_and_grad():
 def check_sharded_input_without_shard_map():
     f = torchjax.to_jax(sin2)
     x = shard(jnp.arange(16.0))
-    np.testing.assert_allclose(jax.jit(f)(x), 2 * np.sin(np.arange(16.0)), rtol=1e-6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        np.testing.assert_allclose(jax.jit(f)(x), 2 * np.sin(np.arange(16.0)), rtol=1e-6)
+    told = [w for w in caught if issubclass(w.category, torchjax.errors.ShardingWarning)]
+    # Only a trace whose types carry the sharding (Explicit mesh axes) can tell.
+    explicit = any(a is not None for a in (jax.typeof(x).sharding.spec or ()))
+    if explicit:
+        assert len(told) == 1, caught
+        text = str(told[0].message)
+        assert "args[0]" in text and "'data'" in text and "jax.shard_map(f" in text, text
+    else:
+        assert not told, told
     try:
         f(x)
     except torchjax.errors.ConversionError as e:
         assert "shard_map" in str(e), e
     else:
         raise AssertionError("eager call on a sharded array should raise")
-    print("sharded input under jit: correct (gathered); eager: clear error: ok")
+    warned = "given" if explicit else "not traced (Auto axes)"
+    print(f"sharded input under jit: gathered, ShardingWarning {warned}; eager: clear error: ok")
 
 
 def mlp(params, x):

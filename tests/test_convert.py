@@ -53,8 +53,10 @@ SHAPES = [(), (3, 0), (5,), (2, 3, 4), (1024, 1024)]
 
 SUPPORTED = re.escape(
     "supported: bool, uint8, uint16, uint32, uint64, int8, int16, int32, int64, float16, "
-    "bfloat16, float32, float64, complex64, complex128"
+    "bfloat16, float32, float64, complex64, complex128, float8_e4m3fn, float8_e5m2, "
+    "float8_e4m3fnuz, float8_e5m2fnuz, float8_e8m0fnu. Not supported: int1, int2, int4"
 )
+FLOAT8 = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
 
 
 def _id(x: Any) -> str:
@@ -547,9 +549,30 @@ def test_tracer_raises_in_vmap_and_grad():
         jax.grad(lambda x: torchjax.tree_to_torch(x).sum())(1.0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=_id)
+@pytest.mark.parametrize("name", FLOAT8)
+def test_float8_round_trips_zero_copy(name):
+    # Values every format holds exactly (float8_e8m0fnu: powers of two only).
+    values = np.array([0.5, 1.0, 2.0, 4.0], np.float32)
+    t = torch.tensor(values).to(getattr(torch, name))
+    a = torchjax.tree_to_jax(t)
+    assert a.dtype == getattr(jnp, name)
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), values)
+    back = torchjax.tree_to_torch(a)
+    assert back.dtype == getattr(torch, name) and back.data_ptr() == t.data_ptr()
+    # Through to_jax, eagerly and under jit: torch upcasts, computes, casts back.
+    f = torchjax.to_jax(lambda x: (x.float() * 2).to(x.dtype))
+    for run in (f, jax.jit(f)):
+        out = run(a)
+        assert out.dtype == getattr(jnp, name)
+        np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), values * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float4_e2m1fn_x2, torch.complex32], ids=_id)
 def test_unsupported_torch_dtype(dtype):
-    leaf = torch.zeros(3, dtype=dtype)
+    leaf = torch.zeros(3, dtype=torch.uint8).view(dtype) if dtype.itemsize == 1 else None
+    if leaf is None:
+        leaf = torch.zeros(3, dtype=dtype)
     name = re.escape(str(dtype))
     with pytest.raises(ConversionError, match=f"{name} has no JAX equivalent; {SUPPORTED}"):
         torchjax.tree_to_jax({"a": leaf})
@@ -559,7 +582,7 @@ def test_unsupported_torch_dtype(dtype):
     "make, name",
     [
         (lambda: jnp.zeros(3, jnp.int4), "int4"),
-        (lambda: jnp.zeros(3, jnp.float8_e4m3fn), "float8_e4m3fn"),
+        (lambda: jnp.zeros(3, jnp.float8_e4m3b11fnuz), "float8_e4m3b11fnuz"),
         (lambda: jax.random.key(0), "key<fry>"),
         (lambda: np.array(["a"]), "<U1"),
         (lambda: np.array([1, "a"], dtype=object), "object"),
@@ -584,7 +607,7 @@ def test_sparse_tensor_raises():
 def test_conversion_error_is_a_type_error():
     # Callers that catch TypeError (as for any bad argument) also catch conversion failures.
     with pytest.raises(TypeError):
-        torchjax.tree_to_jax(torch.zeros(1, dtype=torch.float8_e4m3fn))
+        torchjax.tree_to_jax(torch.zeros(1, dtype=torch.complex32))
 
 
 # --------------------------------------------------------------------------- hypothesis

@@ -16,6 +16,7 @@ from torchjax import _errors
 
 PUBLIC = [
     "TorchJaxError",
+    "ArgumentError",
     "ConversionError",
     "StaticArgumentError",
     "RuleError",
@@ -27,7 +28,8 @@ PUBLIC = [
     "JaxOutputError",
     "VariablesError",
 ]
-WARNINGS = ["StateWarning"]  # warnings, not errors: torchjax carries on after them
+# warnings, not errors: torchjax carries on after them
+WARNINGS = ["StateWarning", "ShardingWarning", "CopyWarning"]
 
 
 def test_every_error_class_is_public_and_derives_from_the_base():
@@ -109,7 +111,12 @@ def _variables():
     apply({"params": params, "buffers": {}}, jnp.ones(3))
 
 
+def _argument():
+    torchjax.to_jax(torch.sin, vmap_method="loop")  # not one of the choices
+
+
 CASES = {
+    "ArgumentError": (_argument, r"vmap_method.*'loop'.*'torch.func'"),
     "ConversionError": (_conversion, r"args\[0\] is a torch.Tensor"),
     "StaticArgumentError": (_static_argument, r"args\[1\] is a set"),
     "RuleError": (_rule, "no jvp rule"),
@@ -125,6 +132,7 @@ CASES = {
 
 def test_every_subclass_has_a_case():
     assert set(CASES) == set(PUBLIC) - {"TorchJaxError"}
+    assert set(WARNING_CASES) == set(WARNINGS) - {"ShardingWarning"}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -141,6 +149,28 @@ def test_raised_error_is_caught_by_its_public_class(name):
         assert isinstance(e, cls)
     else:
         pytest.fail(f"{name}: nothing raised the second time")
+
+
+def _state_warning():
+    apply, variables = torchjax.module_to_jax(torch.nn.BatchNorm1d(2))  # training mode
+    apply(variables, jnp.ones((4, 2)))  # writes running statistics, mutable=False drops them
+
+
+def _copy_warning():
+    torchjax.to_jax(lambda t: t * (t.data_ptr() > 0))(jnp.ones(3))  # a writable pointer
+
+
+WARNING_CASES = {  # ShardingWarning needs several devices: tests/multidevice_script.py
+    "StateWarning": (_state_warning, r"running_mean.*mutable=True"),
+    "CopyWarning": (_copy_warning, r"(?s)writable pointer.*const_data_ptr\(\)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WARNING_CASES))
+def test_warning_is_caught_by_its_public_class(name):
+    provoke, message = WARNING_CASES[name]
+    with pytest.warns(getattr(errors, name), match=message):
+        provoke()
 
 
 def test_builtin_kinds_still_catch():

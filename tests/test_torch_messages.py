@@ -32,16 +32,21 @@ def _fake(fn):
     return run
 
 
-def _double_backward(f, x):
+def _grad(f, x):
     x = x.clone().requires_grad_()
-    (g,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
-    torch.autograd.grad(g.sum(), x)
+    torch.autograd.grad(f(x).sum(), x)
+
+
+@torch.library.custom_op("torchjax_messages::no_fake_kernel", mutates_args=())
+def _no_fake_kernel(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
 
 
 FAKE_LIMITS = {
     "data is not allocated": _fake(lambda x: torch.tensor_split(x, torch.tensor([1, 2]))),
     "not supported for tensor subclasses": _fake(lambda x: x.numpy()),
     "not available for 'meta' device type": _fake(lambda x: x.untyped_storage().tolist()),
+    "no fake impl registered": _fake(lambda x: _no_fake_kernel(x)),
 }
 
 AUTODIFF = {
@@ -54,9 +59,9 @@ AUTODIFF = {
     ),
     "forward mode": lambda: torch.func.jvp(Square.apply, (torch.ones(3),), (torch.ones(3),)),
     "jvp function": lambda: torch.func.jvp(Square.apply, (torch.ones(3),), (torch.ones(3),)),
-    "derivative for": lambda: _double_backward(
-        lambda x: torch.cdist(x, x + 1, p=3), torch.randn(3, 2)
-    ),
+    # igamma has no derivative in its first argument (torch 2.13 to 2.15); cdist's double
+    # backward, used before, gained one in torch 2.15
+    "derivative for": lambda: _grad(lambda x: torch.igamma(x, torch.ones(3)), torch.rand(3) + 1),
     "functorch": lambda: torch.func.vjp(Cube.apply, torch.ones(3)),
     "setup_context": lambda: torch.func.vjp(Cube.apply, torch.ones(3)),
     "does not require grad and does not have a grad_fn": lambda: torch.autograd.grad(
@@ -158,3 +163,46 @@ def test_jaxlib_signature_mismatch():
     error = _raised(lambda: _jax.dlpack_import(capsule, device, None, None, None, None))
     assert _messages.matches_no_signature(error), error
     assert not _messages.matches_no_signature(ValueError(_messages.NO_MATCHING_SIGNATURE))
+
+
+def test_custom_op_without_fake_kernel_is_named():
+    error = _raised(FAKE_LIMITS["no fake impl registered"])
+    assert _messages.custom_op_without_fake_kernel(error) == "torchjax_messages::no_fake_kernel"
+    assert _messages.custom_op_without_fake_kernel(ValueError("the function's own")) is None
+
+
+WANTS_INT64 = {
+    "expected a long tensor for index": lambda i: torch.take(torch.ones(3), i),
+    "target dtype to be long": lambda i: torch.nn.functional.nll_loss(torch.ones(2, 3), i),
+    "should be type int64": lambda i: torch.nn.functional.max_unpool1d(
+        torch.ones(1, 1, 2), i.reshape(1, 1, 2), 2
+    ),
+    "only applicable to index tensor of type longtensor": lambda i: torch.nn.functional.one_hot(
+        i, 3
+    ),
+}
+
+
+def test_every_int64_phrase_has_its_case_here():
+    assert set(WANTS_INT64) == set(_messages.WANTS_INT64_PHRASES)
+
+
+@pytest.mark.parametrize("phrase", sorted(WANTS_INT64))
+def test_wants_int64_phrase(phrase):
+    error = _raised(lambda: WANTS_INT64[phrase](torch.tensor([0, 1], dtype=torch.int32)))
+    assert phrase in str(error).lower(), error
+    assert _messages.wants_int64(error)
+    WANTS_INT64[phrase](torch.tensor([0, 1]))  # int64 indices are accepted
+
+
+def test_expects_tensor_and_not_differentiable_input():
+    error = _raised(lambda: torch.sin(2.0))
+    assert _messages.EXPECTS_TENSOR in str(error) and _messages.expects_tensor(error)
+    stats = torch.zeros(2, requires_grad=True)
+    error = _raised(
+        lambda: torch.func.vjp(
+            lambda m: torch.nn.functional.batch_norm(torch.ones(3, 2), m, torch.ones(2)), stats
+        )
+    )
+    assert _messages.not_differentiable_input(error), error
+    assert not _messages.not_differentiable_input(ValueError("the function's own"))

@@ -41,7 +41,31 @@ _TORCH_TO_NUMPY: dict[torch.dtype, np.dtype] = {
     torch.complex64: np.dtype(np.complex64),
     torch.complex128: np.dtype(np.complex128),
 }
+# The 8-bit floats both sides have, where both have them (DLPack carries them between jaxlib
+# 0.8+ and torch 2.13+). What only one side has, or DLPack cannot carry, is listed in
+# UNSUPPORTED below.
+for _name in (
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+):
+    _t, _j = getattr(torch, _name, None), getattr(jax.numpy, _name, None)
+    if _t is not None and _j is not None:
+        _TORCH_TO_NUMPY[_t] = np.dtype(_j)
+del _name, _t, _j
 _NUMPY_TO_TORCH: dict[np.dtype, torch.dtype] = {v: k for k, v in _TORCH_TO_NUMPY.items()}
+
+# Neither side can hand these to the other: JAX's sub-byte integers and 4/6-bit floats have
+# no DLPack type in XLA (torch's int1..int7 and uint1..uint7 are placeholders without
+# kernels), torch's float4_e2m1fn_x2 packs two values a byte where JAX's float4_e2m1fn does
+# not, complex32 has no DLPack width, and the remaining 8-bit floats exist on one side only.
+UNSUPPORTED = (
+    "int1, int2, int4, uint1, uint2, uint4, float4_e2m1fn, float6_e2m3fn, float6_e3m2fn, "
+    "float8_e3m4, float8_e4m3, float8_e4m3b11fnuz (JAX only); float4_e2m1fn_x2, complex32, "
+    "the quantized qint/quint types (torch only)"
+)
 
 # What a 64-bit type becomes when JAX's x64 mode is off (JAX's own canonicalization).
 _NARROW_64: dict[torch.dtype, torch.dtype] = {
@@ -52,6 +76,7 @@ _NARROW_64: dict[torch.dtype, torch.dtype] = {
 }
 
 SUPPORTED_DTYPES = ", ".join(str(d).removeprefix("torch.") for d in _TORCH_TO_NUMPY)
+_SUPPORTED = f"supported: {SUPPORTED_DTYPES}. Not supported: {UNSUPPORTED}"
 
 _x64 = _jax_config.enable_x64  # read on every conversion: the state object, not jax.config
 
@@ -61,9 +86,7 @@ def jax_dtype(dtype: torch.dtype) -> np.dtype:
     try:
         return _TORCH_TO_NUMPY[dtype]
     except KeyError:
-        raise ConversionError(
-            f"torch dtype {dtype} has no JAX equivalent; supported: {SUPPORTED_DTYPES}."
-        ) from None
+        raise ConversionError(f"torch dtype {dtype} has no JAX equivalent; {_SUPPORTED}.") from None
 
 
 def torch_dtype(dtype: Any) -> torch.dtype:
@@ -71,9 +94,7 @@ def torch_dtype(dtype: Any) -> torch.dtype:
     try:
         return _NUMPY_TO_TORCH[np.dtype(dtype)]
     except (KeyError, TypeError):
-        raise ConversionError(
-            f"dtype {dtype} has no torch equivalent; supported: {SUPPORTED_DTYPES}."
-        ) from None
+        raise ConversionError(f"dtype {dtype} has no torch equivalent; {_SUPPORTED}.") from None
 
 
 def canonical_torch_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -19,6 +19,13 @@ class ConversionError(TorchJaxError, TypeError):
     """
 
 
+class ArgumentError(TorchJaxError, TypeError, ValueError):
+    """An argument of one of torchjax's own functions is of the wrong kind or value: to_jax
+    of something that is not callable, an option outside its choices (``vmap_method``,
+    ``vmap_randomness``, ``grad_method``), module_to_jax of a ScriptModule, a parameter
+    name to_torch_module cannot use. The message names the argument and what it accepts."""
+
+
 class StaticArgumentError(TorchJaxError, TypeError):
     """A non-array leaf of the arguments cannot serve as a static value.
 
@@ -76,3 +83,14 @@ class StateWarning(UserWarning):
     """A torch module changed state that torchjax does not keep: a buffer written or
     reassigned by a ``module_to_jax`` call with ``mutable=False`` (the new value is dropped;
     ``mutable=True`` returns it)."""
+
+
+class ShardingWarning(UserWarning):
+    """An input sharded over several devices reaches a torch call under jax.jit outside
+    jax.shard_map: XLA gathers it, and torch computes on the whole array."""
+
+
+class CopyWarning(UserWarning):
+    """A wrapped function asked an input for a writable pointer without writing (.numpy(),
+    data_ptr(), some compiled kernels): its calls of that signature run on copies of their
+    inputs from then on (read addresses with const_data_ptr() to stay zero-copy)."""

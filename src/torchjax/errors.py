@@ -18,13 +18,16 @@ Example:
 """
 
 from torchjax._errors import (
+    ArgumentError,
     AutodiffError,
     ConversionError,
+    CopyWarning,
     InPlaceMutationError,
     JaxOutputError,
     OutputMismatchError,
     RuleError,
     ShapeInferenceError,
+    ShardingWarning,
     StateWarning,
     StaticArgumentError,
     TorchJaxError,
@@ -34,6 +37,7 @@ from torchjax._errors import (
 
 __all__ = [
     "TorchJaxError",
+    "ArgumentError",
     "AutodiffError",
     "ConversionError",
     "InPlaceMutationError",
@@ -41,6 +45,8 @@ __all__ = [
     "OutputMismatchError",
     "RuleError",
     "ShapeInferenceError",
+    "CopyWarning",
+    "ShardingWarning",
     "StateWarning",
     "StaticArgumentError",
     "VariablesError",

@@ -36,7 +36,25 @@ FAKE_LIMIT_PHRASES = (
     "data is not allocated",  # a real tensor's data read in a fake run (tensor_split's index)
     "not supported for tensor subclasses",  # .numpy(), np.asarray() of a fake tensor
     "not available for 'meta' device type",  # a fake tensor's storage read
+    "no fake impl registered",  # a torch.library.custom_op without register_fake
 )
+
+
+def custom_op_without_fake_kernel(error: BaseException) -> str | None:
+    """The custom operator a fake run could not run (it has no fake kernel), or None."""
+    unsupported = resolve("torch._subclasses.fake_tensor.UnsupportedOperatorException")
+    if unsupported is not ABSENT and isinstance(error, unsupported):
+        op = str(error.args[0]) if error.args else ""  # "namespace.name.overload"
+        parts = op.split(".")
+        if len(parts) >= 2 and parts[0] not in ("aten", "prims"):
+            return f"{parts[0]}::{parts[1]}"  # as torch.library spells it
+    text = str(error)
+    if "no fake impl registered" in text.lower():
+        start, end = text.find("CustomOpDef("), text.find(")>")
+        if start >= 0 and end > start:
+            return text[start + len("CustomOpDef(") : end]
+        return "the custom operator"
+    return None
 
 
 def is_fake_limit(error: BaseException) -> bool:
@@ -61,6 +79,13 @@ AUTODIFF_PHRASES = (
     "appears to not have been used in the graph",
 )
 NEEDS_SETUP_CONTEXT = "setup_context"
+# An op refusing a differentiated input: "The function 'native_batch_norm' is not
+# differentiable with respect to argument 'running_mean'."
+NOT_DIFFERENTIABLE_INPUT = "is not differentiable with respect to argument"
+
+
+def not_differentiable_input(error: BaseException) -> bool:
+    return NOT_DIFFERENTIABLE_INPUT in str(error)
 
 
 def is_autodiff_failure(error: BaseException) -> bool:
@@ -117,6 +142,27 @@ def lacks_batching_rule(error: BaseException) -> bool:
 
 def refuses_randomness(error: BaseException) -> bool:
     return RANDOMNESS in str(error)
+
+
+# -- the user's function failing where torchjax can say why ---------------------------------
+# A torch op that wants int64 indices given int32 ones (JAX's integers while x64 is off).
+WANTS_INT64_PHRASES = (
+    "expected a long tensor for index",  # take, put, index_copy
+    "target dtype to be long",  # nll_loss, cross_entropy
+    "should be type int64",  # max_unpool's indices
+    "only applicable to index tensor of type longtensor",  # one_hot
+)
+# A torch op given a Python value where it takes a tensor.
+EXPECTS_TENSOR = "must be Tensor, not"
+
+
+def wants_int64(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(p in text for p in WANTS_INT64_PHRASES)
+
+
+def expects_tensor(error: BaseException) -> bool:
+    return isinstance(error, TypeError) and EXPECTS_TENSOR in str(error)
 
 
 # -- the in-place guard ---------------------------------------------------------------------

@@ -6,6 +6,7 @@
 # _jax.py's banner).
 from __future__ import annotations
 
+import logging
 import operator
 import sys
 from typing import Any
@@ -146,12 +147,68 @@ FAST_VMAP = ABSENT not in (
     vmap_lazy_load_decompositions,
 )
 
+# Whether a tensor is batched at the innermost vmap level, from inside the vmapped function:
+# which outputs of a batched call stay unbatched (jax.vmap's out_axes=None, _callables.py).
+# A wrapper's level says which transform made it; one from an outer level is not batched
+# here. Without these names every output counts as batched (broadcast, as before).
+_NO_UNBATCHED = "every output of a batched call batched (out_axes=None refused)"
+_current_level = private("torch._C._functorch.maybe_current_level", fallback=_NO_UNBATCHED)
+_level_of = private("torch._C._functorch.maybe_get_level", fallback=_NO_UNBATCHED)
+FINDS_UNBATCHED = ABSENT not in (_current_level, _level_of)
+
+
+def batched_here(t: Any) -> bool:
+    """Whether `t` (a function's output, inside torch.func.vmap) is batched at this level."""
+    if not FINDS_UNBATCHED:
+        return True
+    if not isinstance(t, torch.Tensor):
+        return False  # a Python number
+    level = _current_level()
+    return level is not None and _level_of(t) == level
+
+
+# torch operators (torch.ops.aten.sin, a torch.library.custom_op), named in messages by
+# their own names ("aten.sin.default", "mylib::op") rather than their Python classes'.
+_NO_OP_NAME = "messages name a torch operator by its class"
+_OPERATOR_TYPES = tuple(
+    t
+    for t in (
+        private("torch._ops.OpOverload", fallback=_NO_OP_NAME),
+        private("torch._ops.OpOverloadPacket", fallback=_NO_OP_NAME),
+        private("torch._library.custom_ops.CustomOpDef", fallback=_NO_OP_NAME),
+    )
+    if t is not ABSENT
+)
+
+
+def operator_name(fn: Any) -> str | None:
+    """A torch operator's own name, or None for anything else."""
+    if not isinstance(fn, _OPERATOR_TYPES):
+        return None
+    return str(getattr(fn, "_qualname", None) or fn)  # a custom op's "namespace::name"
+
+
 # Fake tensors: output shapes without data (_fake_run.py, _module_to_jax.py, _convert.py).
 fake_tensor = private("torch._subclasses.fake_tensor")
 FakeTensorMode = private("torch._subclasses.fake_tensor.FakeTensorMode")
 is_fake = private("torch._subclasses.fake_tensor.is_fake")
 unset_fake_temporarily = private("torch._subclasses.fake_tensor.unset_fake_temporarily")
 detect_fake_mode = private("torch._guards.detect_fake_mode")
+# The fake machinery's logger: it logs the traceback of every meta kernel that raises,
+# which during torchjax's fake runs is an exception torchjax re-raises anyway.
+register("torch._subclasses.fake_tensor.log", "meta-kernel failures in fake runs are logged")
+
+
+def quiet_fake_tensor_log(quiet: Any) -> None:
+    """Drop the fake machinery's log records where `quiet()` says so (installed once)."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    if not any(getattr(f, "torchjax", False) for f in log.filters):
+        record_filter = logging.Filter()
+        record_filter.filter = lambda record: not quiet()
+        record_filter.torchjax = True
+        log.addFilter(record_filter)
+
+
 # torch's pytree registry: containers torch knows and JAX does not (_outputs.py).
 torch_pytree = private("torch.utils._pytree")
 private("torch.utils._pytree.SUPPORTED_NODES")

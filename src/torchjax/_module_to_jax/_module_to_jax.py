@@ -29,7 +29,7 @@ from torchjax._compat._torch import (
     tensor_version,
 )
 from torchjax._convert import tree_to_jax
-from torchjax._errors import VariablesError
+from torchjax._errors import ArgumentError, VariablesError
 from torchjax._module_to_jax._copies import ModuleState
 from torchjax._primitive._params import ARRAY
 from torchjax._to_jax._guard import same_bytes
@@ -39,6 +39,14 @@ from torchjax._to_jax._to_jax import to_jax
 __all__ = ["module_to_jax"]
 
 _tree = jax.tree_util
+
+_SCRIPTED = """\
+module_to_jax({name}): {what} a TorchScript module (torch.jit.script or torch.jit.trace),
+which keeps its parameters in TorchScript's own tables: module_to_jax cannot give each call
+its arrays. Pass the module before scripting it, or wrap the scripted module as a function,
+with its parameters closed over:
+
+    f = torchjax.to_jax(lambda x: {call}(x))"""
 
 _NOT_VARIABLES = (
     "variables must be the mapping {{'params': ..., 'buffers': ...}} returned by "
@@ -135,6 +143,7 @@ class _Apply:
         forward.isolates_state = True  # fake runs use a throwaway copy (see fake_eval)
         # Eager calls run for real at once: variables are checked on each signature's first.
         forward.check_signature = lambda p, b, *_, **__: state.check(name, p, b)
+        forward.describe_path = _describe_path  # messages name variables[...], args[i]
         options = dict(self.options)
         if seeded:  # a seed read with .item() cannot be batched: one call per example
             options["vmap_method"] = "sequential"
@@ -251,6 +260,14 @@ def _flat_forward(impl: _Apply, in_tree: Any, template: list, mutable: bool) -> 
     return call
 
 
+def _describe_path(path: tuple) -> str:
+    """A path into forward's (params, buffers, args, kwargs) as the user wrote apply's call."""
+    group = getattr(path[1], "idx", None) if len(path) > 1 else None
+    rest = _tree.keystr(tuple(path[2:]))
+    names = {0: "variables['params']", 1: "variables['buffers']", 2: "args", 3: "kwargs"}
+    return names.get(group, "args") + rest
+
+
 def _describe(variables: Any) -> str:
     if isinstance(variables, Mapping):
         return f"a {type(variables).__name__} with keys {sorted(map(str, variables))}"
@@ -309,9 +326,12 @@ def module_to_jax(
       BatchNorm running statistics after a training-mode step). ``rng``, a JAX PRNG key,
       seeds torch's generator for the call (dropout): the same key gives the same masks.
       Without it, torch's global generator is used, as in plain PyTorch. apply works under
-      jit, vmap and grad (w.r.t. params and inputs).
+      jit, vmap and grad (w.r.t. params and inputs), and pickles with plain pickle (its
+      module as it is then; unpickling runs module_to_jax on it again).
 
     Raises:
+      ArgumentError: `module` is not an ``nn.Module``, is a TorchScript module or holds one,
+        or an option is not one of its choices.
       VariablesError: (from apply) ``variables`` lacks a group, or a name or shape differs
         from the module's.
 
@@ -324,7 +344,20 @@ def module_to_jax(
       (2, 3)
     """
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"module_to_jax expects a torch.nn.Module, got {type(module).__name__}.")
+        raise ArgumentError(
+            f"module_to_jax expects a torch.nn.Module, got {type(module).__name__}. For a plain "
+            f"function of tensors use torchjax.to_jax."
+        )
+    if isinstance(module, torch.jit.ScriptModule):
+        raise ArgumentError(
+            _SCRIPTED.format(name=module.original_name, what="it is", call="scripted")
+        )
+    for path, m in module.named_modules():
+        if isinstance(m, torch.jit.ScriptModule):
+            what = f"its submodule {path!r} is"
+            raise ArgumentError(
+                _SCRIPTED.format(name=type(module).__name__, what=what, call="model")
+            )
     options = {
         "vmap_method": vmap_method,
         "vmap_randomness": vmap_randomness,
@@ -337,8 +370,28 @@ def module_to_jax(
         "buffers": _to_jax_copy(impl.state.buffers, copy),
     }
 
+    apply = ModuleFunction(impl)
+    return apply, variables
+
+
+class ModuleFunction:
+    """module_to_jax's ``apply``: the module as a pure function of its variables.
+
+    A class rather than a closure so that it pickles by value with plain pickle (for
+    multiprocessing, or a job sent to another machine): it pickles its module, as it is
+    then, and unpickling runs module_to_jax on that again.
+    """
+
+    def __init__(self, impl: _Apply):
+        self._impl = impl
+        self.__name__ = self.__qualname__ = f"apply_{impl.name}"
+        self.__doc__ = f"{impl.name} as a pure function: apply(variables, *args, **kwargs)."
+
     @traceback_boundary  # an error's traceback starts at the user's call
-    def apply(variables: Any, *args: Any, mutable: bool = False, rng: Any = None, **kwargs: Any):
+    def __call__(
+        self, variables: Any, *args: Any, mutable: bool = False, rng: Any = None, **kwargs: Any
+    ) -> Any:
+        impl = self._impl
         try:
             params, buffers = variables["params"], variables["buffers"]
             valid = isinstance(variables, Mapping) and len(variables) == 2
@@ -352,5 +405,15 @@ def module_to_jax(
         seed = jax.random.randint(rng, (), 0, np.iinfo(np.int32).max, dtype=np.int32)
         return fn(params, buffers, args, kwargs, seed)
 
-    apply.__doc__ = f"{impl.name} as a pure function: apply(variables, *args, **kwargs)."
-    return apply, variables
+    def __repr__(self) -> str:
+        return f"<module_to_jax apply of {self._impl.name}>"
+
+    def __reduce__(self) -> tuple:
+        impl = self._impl
+        module = impl.state.pool.compiled or impl.state.module
+        return _rebuilt, (module, impl.options, impl.result_shape_dtypes)
+
+
+def _rebuilt(module: torch.nn.Module, options: dict, result_shape_dtypes: Any) -> ModuleFunction:
+    """An unpickled apply: module_to_jax's again, on the unpickled module."""
+    return ModuleFunction(_Apply(module, options, result_shape_dtypes))

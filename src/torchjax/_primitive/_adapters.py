@@ -19,6 +19,8 @@ from torchjax._errors import OutputMismatchError
 from torchjax._primitive._params import (
     ARRAY,
     Linear,
+    as_operand,
+    as_operands,
     broadcast_prefix,
     flatten_checked,
     rebuild,
@@ -39,7 +41,7 @@ def flat_impl(prim: Any, *operands, in_tree, statics, signature, params) -> list
     outputs, checked against `signature`. Delegates to the primitive's _flat_impl (a
     subclass may compute on the flat operands directly)."""
     return prim._flat_impl(
-        operands, in_tree=in_tree, statics=statics, signature=signature, params=params
+        as_operands(operands), in_tree=in_tree, statics=statics, signature=signature, params=params
     )
 
 
@@ -89,7 +91,7 @@ def flat_batching(prim: Any, operands, dims, *, in_tree, statics, signature, par
     del signature
     if prim._batching_rule is None:
         raise prim._missing("batching", "jax.vmap")
-    args = rebuild(in_tree, statics, operands)
+    args = rebuild(in_tree, statics, as_operands(operands))
     axes = rebuild(in_tree, statics, dims, fill=None)
     out, out_axes = prim._batching_rule(args, axes, **dict(params))
     leaves, tree = _tree.tree_flatten(out)
@@ -110,10 +112,9 @@ def flat_jvp(prim: Any, primals, tangents, *, in_tree, statics, signature, param
     out_tree, out_avals = signature.out_tree, signature.out_avals
     if prim._jvp_rule is None:
         raise prim._missing("jvp", "forward- and reverse-mode differentiation")
-    primal_args = rebuild(in_tree, statics, primals)
-    tangent_args = rebuild(
-        in_tree, statics, [None if type(t) is ad.Zero else t for t in tangents], fill=None
-    )
+    primal_args = rebuild(in_tree, statics, as_operands(primals))
+    given = [None if type(t) is ad.Zero else as_operand(t) for t in tangents]
+    tangent_args = rebuild(in_tree, statics, given, fill=None)
     out, out_tangents = prim._jvp_rule(primal_args, tangent_args, **dict(params))
     out_flat = flatten_checked(prim.name, out, out_tree, out_avals, "jvp")
     if out_tangents is None:
@@ -137,8 +138,9 @@ def flat_transpose(prim: Any, cts, *operands, in_tree, statics, signature, param
     out_tree = signature.out_tree
     if prim._transpose_rule is None:
         raise prim._missing("transpose", "reverse-mode differentiation (jax.grad, jax.vjp)")
-    ct_tree = _tree.tree_unflatten(out_tree, [None if type(c) is ad.Zero else c for c in cts])
-    marked = [Linear(x.aval) if ad.is_undefined_primal(x) else x for x in operands]
+    given = [None if type(c) is ad.Zero else as_operand(c) for c in cts]
+    ct_tree = _tree.tree_unflatten(out_tree, given)
+    marked = [Linear(x.aval) if ad.is_undefined_primal(x) else as_operand(x) for x in operands]
     args = rebuild(in_tree, statics, marked)
     ct_args = prim._transpose_rule(ct_tree, *args, **dict(params))
     if not isinstance(ct_args, tuple | list) or len(ct_args) != len(args):

@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from torchjax._compat._jax import ARRAY_TYPES, core, manual_axes_of
@@ -110,6 +111,19 @@ def is_operand(x: Any) -> bool:
     return isinstance(x, OPERAND_TYPES)
 
 
+def as_operand(x: Any) -> Any:
+    """An operand as an array. JAX hands rules the values it was given: a Python or numpy
+    scalar (or JAX's own typed literal) where an array was bound, the differentiated
+    `x` of jax.grad(f)(2.0) or a cotangent 1.0 among them. A leaf's role is fixed at bind:
+    an operand there stays an operand in every rule (rules tell operands from static leaves
+    by type), so such a value becomes the array it stands for."""
+    return x if isinstance(x, OPERAND_TYPES) else jnp.asarray(x)
+
+
+def as_operands(xs: Any) -> list:
+    return [x if isinstance(x, OPERAND_TYPES) else jnp.asarray(x) for x in xs]
+
+
 class BoundParams:
     """A primitive's keyword params as bound: sorted ``(name, value)`` pairs, checked
     hashable once, and the signature caches of calls made with them: ``signatures`` keyed
@@ -123,6 +137,9 @@ class BoundParams:
         self.items = items
         self.eager_signatures: dict[tuple, Any] = {}  # Signature, or a subclass's own
         self.signatures: dict[tuple, Signature] = {}
+
+    def __reduce__(self) -> Any:
+        return (BoundParams, (self.items,))  # the caches are this process's: not sent
 
 
 def store(cache: dict, key: Any, value: Any) -> None:
@@ -241,7 +258,9 @@ def broadcast_prefix(value: Any, tree, rule: str, name: str, what: str) -> list:
     try:
         return tree.flatten_up_to(value)
     except (ValueError, TypeError) as e:
+        got = _tree.tree_structure(value, is_leaf=lambda x: x is None)
         raise OutputMismatchError(
-            f"{name}: the {rule} rule returned {what} whose structure does not match the "
-            f"output's {tree}: {e}"
+            f"{name}: the {rule} rule returned {what} of structure {got}, which is not a "
+            f"prefix of the output's structure {tree} ({e}). Return one value for every "
+            f"output, or one per output leaf in the output's own structure."
         ) from None

@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import torch
 
-from torchjax._compat._messages import is_write_refusal, runs_autograd_itself
+from torchjax._compat._messages import (
+    expects_tensor,
+    is_write_refusal,
+    runs_autograd_itself,
+    wants_int64,
+)
 from torchjax._compat._torch import is_fake, is_zerotensor, set_grad_enabled, tensor_version
 from torchjax._convert import canonical_torch_dtype, check_has_data, tensor_to_jax, torch_dtype
-from torchjax._errors import ConversionError, OutputMismatchError, TorchJaxError
+from torchjax._errors import ConversionError, CopyWarning, OutputMismatchError, TorchJaxError
 from torchjax._primitive._params import ARRAY, is_operand
 from torchjax._to_jax._guard import (
     check_versions,
@@ -144,7 +151,7 @@ class CallPlan:
             raise
         except Exception as e:
             if not is_write_refusal(e):
-                self._raise_failure(e)
+                self._raise_failure(e, tensors)
             refused = True  # handled below, outside this except: no chained traceback
         finally:
             set_grad_enabled(grad_was_enabled)
@@ -164,13 +171,29 @@ class CallPlan:
         finally:
             set_grad_enabled(grad_was_enabled)
 
-    def _raise_failure(self, error: Exception) -> None:
+    def _raise_failure(self, error: Exception, tensors: list | None = None) -> None:
         if not autograd_inside() and self._autograd_inside(error):
             raise _RetryWithAutograd from None
-        err = self.fn.call_failure(error)
+        err = self.fn.call_failure(error, self.in_tree)
         if err is error:
+            self._explain(error, tensors or [])
             raise error
         raise err from error
+
+    def _explain(self, error: Exception, tensors: list) -> None:
+        """Notes on the user's own exception, where torchjax knows more of the cause."""
+        if wants_int64(error) and not jax.config.jax_enable_x64:
+            if any(t.dtype == torch.int32 for t in tensors):
+                error.add_note(INT32_NOTE)
+        if expects_tensor(error) and self.fn is self.fn.root and self.has_statics:
+            paths = leaf_paths(self.in_tree)
+            numbers = [
+                self.fn.arg_path(paths[i])
+                for i, leaf in enumerate(self.template)
+                if leaf is not ARRAY and isinstance(leaf, bool | int | float | complex)
+            ]
+            if numbers:
+                error.add_note(NUMBER_NOTE.format(paths=", ".join(numbers[:6])))
 
     def _autograd_inside(self, error: Exception) -> bool:
         """Whether a derived call failed because fn runs torch.autograd itself."""
@@ -184,12 +207,15 @@ class CallPlan:
         except TorchJaxError:
             raise
         except Exception as e:
-            self._raise_failure(e)
+            self._raise_failure(e, copies)
         for k, (t, c) in enumerate(zip(tensors, copies, strict=True)):
             if compare and (tensor_version(c) or not same_bytes(t, c)):
                 raise inplace_error(self.name, self.input_path(k), _WROTE)
             if tensor_version(c):
                 raise inplace_error(self.name, self.input_path(k), _ON_COPY)
+        if compare and not self.on_copies and self.fn.root not in _WARNED_COPIES:
+            _WARNED_COPIES.add(self.fn.root)
+            warnings.warn(ON_COPIES.format(name=self.name), CopyWarning, stacklevel=2)
         self.on_copies = True
         return out
 
@@ -313,6 +339,29 @@ that no fake run happens, and rebuild the object that holds the fake tensor:
 
 def fake_output_error(name: str, where: str) -> ConversionError:
     return ConversionError(FAKE_OUTPUT.format(name=name, where=where))
+
+
+INT32_NOTE = (
+    "(torchjax: JAX's x64 mode is off, so JAX's integer arrays reach torch as int32, and "
+    "this torch op wants int64 indices. Cast them inside the function, `index.long()`, or "
+    "turn x64 on: jax.config.update('jax_enable_x64', True).)"
+)
+NUMBER_NOTE = (
+    "(torchjax: {paths} reached the function as Python numbers, as they were passed: to_jax "
+    "hands torch JAX arrays as tensors and every other leaf as it is (a list or dict of "
+    "numbers stays one). Pass a JAX array where the function takes a tensor, e.g. "
+    "jnp.asarray(values).)"
+)
+
+
+ON_COPIES = """\
+{name} asked one of its inputs for a writable pointer without writing to it (.numpy(),
+data_ptr(), np.asarray(t), a compiled or extension kernel, a Triton launch). The in-place
+guard refuses writable pointers to the caller's arrays, so this call ran again on copies of
+its inputs, and later calls of this signature run on copies too: one copy per input per
+call. To stay zero-copy, read addresses with tensor.const_data_ptr() instead of data_ptr(),
+and copy explicitly what must become numpy (t.clone().numpy())."""
+_WARNED_COPIES: weakref.WeakSet = weakref.WeakSet()  # functions told once
 
 
 class _RetryWithAutograd(Exception):

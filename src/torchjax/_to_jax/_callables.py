@@ -50,17 +50,20 @@ import numpy as np
 import torch
 
 from torchjax._compat._messages import (
+    custom_op_without_fake_kernel,
     is_autodiff_failure,
     is_fake_limit,
     is_vmap_failure,
     lacks_batching_rule,
     lacks_forward_derivative,
     needs_setup_context,
+    not_differentiable_input,
     refuses_randomness,
     refuses_saved_tensor_hooks,
     runs_autograd_itself,
+    wants_int64,
 )
-from torchjax._compat._torch import is_functorch_wrapped
+from torchjax._compat._torch import FINDS_UNBATCHED, batched_here, is_functorch_wrapped
 from torchjax._convert import torch_dtype
 from torchjax._errors import (
     AutodiffError,
@@ -69,6 +72,7 @@ from torchjax._errors import (
     TorchJaxError,
     VmapError,
 )
+from torchjax._primitive._params import store
 from torchjax._to_jax._autograd import (
     AUTODIFF_HINT,
     AUTOGRAD_HINT,
@@ -82,7 +86,7 @@ from torchjax._to_jax._autograd import (
     outermost,
     stack_batch,
 )
-from torchjax._to_jax._call_plan import autograd_inside
+from torchjax._to_jax._call_plan import INT32_NOTE, autograd_inside, leaf_paths
 from torchjax._to_jax._fake_run import default_torch_device, fake_eval, fake_target, function_name
 from torchjax._to_jax._options import Options
 from torchjax._to_jax._outputs import as_jax_tree
@@ -126,10 +130,17 @@ class UserFunction:
     # rather than in a global cache so that they die with the function (to_jax empties it
     # when its wrapper dies: the params refer back to this object).
     bound_params: dict = dataclasses.field(default_factory=dict, repr=False)
+    # Calls batched over some of its inputs: which outputs stay unbatched, per (in_dims,
+    # randomness, signature), found once each (BatchedFunction.with_out_dims).
+    batched_outputs: dict = dataclasses.field(default_factory=dict, repr=False)
 
     # Torch runs it with grad mode off: JAX does the differentiating, and a graph recorded
     # for closed-over parameters that require grad would only cost time and memory.
     grad_mode = False
+
+    def __reduce__(self) -> Any:
+        # Pickled (to another process) without this process's caches.
+        return (UserFunction, (self.fn, self.result_shape_dtypes))
 
     @property
     def name(self) -> str:
@@ -143,7 +154,11 @@ class UserFunction:
         return as_jax_tree(self.fn(*args, **kwargs))
 
     def arg_path(self, path: tuple) -> str:
-        # bind's args are (args, kwargs): report paths as the user wrote the call.
+        # bind's args are (args, kwargs): report paths as the user wrote the call, or as the
+        # function describes its own arguments (module_to_jax's forward: variables[...]).
+        describe = getattr(self.fn, "describe_path", None)
+        if describe is not None:
+            return describe(path)
         head = "args" if path[0].idx == 0 else "kwargs"
         return head + _tree.keystr(tuple(path[1:]))
 
@@ -185,22 +200,67 @@ class UserFunction:
             raise
         except Exception as e:
             if not is_fake_limit(e):
+                if wants_int64(e) and not jax.config.jax_enable_x64:
+                    if any(getattr(x, "dtype", None) == np.int32 for x in _tree.tree_leaves(args)):
+                        e.add_note(INT32_NOTE)
                 raise _theirs(e, self.name) from None
-            raise ShapeInferenceError(
-                f"Could not infer the output shapes of {self.name} by running it on fake "
-                f"tensors (no real data): {type(e).__name__}: {e}\n"
-                f"Fake tensors have no values, so a function whose output shapes depend on "
-                f"its input values, or that reads values (.item(), .tolist(), Python control "
-                f"flow on tensor values, argument validation such as torch.distributions' "
-                f"validate_args), cannot be traced this way. Eager calls run such a function "
-                f"for real; under jax.jit declare its outputs:\n"
-                f"    to_jax(fn, result_shape_dtypes=jax.ShapeDtypeStruct(shape, dtype))\n"
-                f"or a callable mapping the input ShapeDtypeStructs to the outputs."
-            ) from e
+            raise ShapeInferenceError(self._why_not_fake(e, args)) from e
 
-    def call_failure(self, error: Exception) -> Exception:
-        """The user's own exception stays theirs: same type and message, with a note."""
+    def _why_not_fake(self, error: Exception, args: tuple) -> str:
+        """ShapeInferenceError's message: what stopped the fake run, and the fixes."""
+        text = (
+            f"Could not infer the output shapes of {self.name} by running it on fake tensors "
+            f"(no real data): {type(error).__name__}: {error}\n"
+        )
+        op = custom_op_without_fake_kernel(error)
+        if op is not None:
+            return text + CUSTOM_OP_HINT.format(op=op)
+        flags = [
+            self.arg_path(path)
+            for path, leaf in _tree.tree_flatten_with_path(args)[0]
+            if getattr(leaf, "shape", None) == () and leaf.dtype == np.bool_
+        ]
+        if flags:
+            text += TRACED_FLAG_HINT.format(flags=", ".join(flags))
+        return text + FAKE_LIMIT_HINT
+
+    def call_failure(self, error: Exception, in_tree: Any = None) -> Exception:
+        """The user's own exception stays theirs: same type and message, with a note.
+        (`in_tree`: the failed call's argument structure, where the caller knows it.)"""
+        del in_tree
         return _theirs(error, self.name)
+
+
+UNBATCHED_CHANGED = """\
+{name}, batched by torch.func.vmap, batched its output {j} (in flattening order) that the
+run that found which outputs depend on the batched inputs (on fake tensors, when the call
+was traced) left unbatched, so JAX was told it is unbatched. Which outputs depend on the
+batched inputs changes with the values (control flow on values, or random draws with
+vmap_randomness='different'). Batch this function one example at a time instead:
+to_jax(fn, vmap_method='sequential')."""
+
+FAKE_LIMIT_HINT = """\
+Fake tensors have no values, so a function whose output shapes depend on its input values,
+or that reads values (.item(), .tolist(), Python control flow on tensor values, argument
+validation such as torch.distributions' validate_args), cannot be traced this way. Eager
+calls run such a function for real; under jax.jit declare its outputs:
+    to_jax(fn, result_shape_dtypes=jax.ShapeDtypeStruct(shape, dtype))
+or a callable mapping the input ShapeDtypeStructs to the outputs."""
+
+TRACED_FLAG_HINT = """\
+{flags}: a boolean the function may branch on arrived as an array, because jax.jit traces
+Python bools passed to it (use_cache=False, return_dict=False). Keep such flags static:
+    jax.jit(f, static_argnames=("use_cache", "return_dict"))
+or bind them beforehand with functools.partial(f, use_cache=False). Otherwise:
+"""
+
+CUSTOM_OP_HINT = """\
+{op} is a custom operator without a fake kernel, so torchjax cannot find its output types
+without running it. Register one (it computes output shapes and dtypes from the inputs':
+    @torch.library.register_fake("{op}")
+    def _(x):
+        return torch.empty_like(x)
+), or declare the function's outputs: to_jax(fn, result_shape_dtypes=...)."""
 
 
 def _theirs(error: Exception, name: str) -> Exception:
@@ -208,6 +268,10 @@ def _theirs(error: Exception, name: str) -> Exception:
     if note not in getattr(error, "__notes__", ()):
         error.add_note(note)
     return error
+
+
+def _aval(x: Any) -> Any:
+    return x if isinstance(x, jax.core.ShapedArray | jax.ShapeDtypeStruct) else jax.typeof(x)
 
 
 # -- what derived callables share -------------------------------------------------------
@@ -238,8 +302,8 @@ class DerivedFunction:
     def out_types(self, options: Options, *args: Any) -> Any:
         raise NotImplementedError
 
-    def call_failure(self, error: Exception) -> Exception:
-        return self.inner.call_failure(error)
+    def call_failure(self, error: Exception, in_tree: Any = None) -> Exception:
+        return self.inner.call_failure(error, in_tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,10 +366,12 @@ class _Derivative(DerivedFunction):
 
     grad_mode = True  # see _CallPlan: torch.func runs derivatives with grad mode on
 
-    def call_failure(self, error: Exception) -> Exception:
+    def call_failure(self, error: Exception, in_tree: Any = None) -> Exception:
         text = f"{type(error).__name__}: {error}"
         if not is_autodiff_failure(error):
-            return self.inner.call_failure(error)  # the function's own exception
+            return self.inner.call_failure(error, in_tree)  # the function's own exception
+        if not_differentiable_input(error):
+            return AutodiffError(self._not_differentiable(text, in_tree))
         if self.method == "autograd":
             hint = AUTOGRAD_HINT
         elif lacks_forward_derivative(error):
@@ -313,6 +379,35 @@ class _Derivative(DerivedFunction):
         else:
             hint = AUTODIFF_HINT
         return AutodiffError(hint.format(name=self.root.name, error=text))
+
+    def _not_differentiable(self, text: str, in_tree: Any) -> str:
+        """torch refuses to differentiate one of the inputs: name those differentiated."""
+        names = []
+        if in_tree is not None:
+            paths = leaf_paths(in_tree)  # the primals' leaves come first
+            names = [self.arg_path(paths[i]) for i in self.wrt if i < len(paths)]
+        buffers = [n for n in names if n.startswith("variables['buffers']")]
+        if buffers:
+            return NOT_DIFFERENTIABLE_BUFFER.format(
+                name=self.root.name, error=text, buffers=", ".join(buffers)
+            )
+        shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        return NOT_DIFFERENTIABLE.format(name=self.root.name, error=text, inputs=shown or "?")
+
+
+NOT_DIFFERENTIABLE_BUFFER = """\
+torch cannot differentiate {name} with respect to some of its module's buffers: {error}
+The buffers being differentiated: {buffers}. Buffers such as BatchNorm's running
+statistics are the module's state, not parameters: differentiate variables['params'] only,
+    jax.grad(lambda p: loss({{"params": p, "buffers": variables["buffers"]}}))(params)
+or mark the buffers constant with jax.lax.stop_gradient (with equinox's filter_grad, keep
+them out of the differentiated part of the model: eqx.partition)."""
+
+NOT_DIFFERENTIABLE = """\
+torch cannot differentiate {name} with respect to one of the inputs being differentiated:
+{error}
+The differentiated inputs: {inputs}. Keep the one torch names out of what JAX
+differentiates (as a non-differentiated argument), or wrap it in jax.lax.stop_gradient."""
 
 
 # -- jax.vmap ---------------------------------------------------------------------------
@@ -324,13 +419,59 @@ class BatchedFunction(DerivedFunction):
       inner: the torch callable being batched.
       in_dims: one int (batched axis) or None per tensor leaf, in flattening order.
       randomness: torch.func.vmap's randomness policy.
-      loop: call inner once per example instead (a derivative by torch.autograd.grad).
+      per_example: call inner once per example instead (a derivative by torch.autograd.grad).
+      out_dims: 0 or None per output leaf, None where the output does not depend on the
+        batched inputs and stays unbatched (jax.vmap's out_axes=None); None for all
+        batched.
     """
 
     inner: Any
     in_dims: tuple
     randomness: str
     per_example: bool = False
+    out_dims: tuple | None = None
+
+    def with_out_dims(self, args: tuple) -> BatchedFunction:
+        """This call, with the outputs that depend on no batched input left unbatched.
+
+        Asked of the user's function only, where some tensor input is unbatched (with every
+        input batched only a constant output could be), by one fake run per signature of it
+        under torch.func.vmap. Where that run fails, every output is batched, as it always
+        can be.
+        """
+        root = self.inner
+        if root is not root.root or self.per_example or not FINDS_UNBATCHED:
+            return self
+        if None not in self.in_dims:
+            return self
+        leaves, tree = _tree.tree_flatten(args)
+        abstract = [_aval(x) if is_abstract(x) else x for x in leaves]
+        signature = tuple(x if is_abstract(x) else (type(x), x) for x in abstract)
+        key = (self.in_dims, self.randomness, tree, signature)
+        out_dims = root.batched_outputs.get(key, False)
+        if out_dims is False:
+            out_dims = self._probe(_tree.tree_unflatten(tree, abstract))
+            store(root.batched_outputs, key, out_dims)
+        return self if out_dims is None else dataclasses.replace(self, out_dims=out_dims)
+
+    def _probe(self, args: tuple) -> tuple | None:
+        """with_out_dims's fake run: the out_dims it found, or None (all batched)."""
+        root = self.inner
+        seen: list = []
+        probe = dataclasses.replace(self, inner=UserFunction(fake_target(root.fn)))
+
+        def run(*a: Any) -> Any:
+            leaves, tree = _tree.tree_flatten(a)
+            positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+            return probe._vmap(leaves, tree, positions, seen=seen)
+
+        try:
+            fake_eval(run, args, root.name, root.arg_path, state_of=root.fn)
+        except Exception:  # noqa: BLE001 - batched outputs are always right, if wasteful
+            return None
+        if not seen or all(seen[-1]):
+            return None
+        return tuple(0 if b else None for b in seen[-1])
 
     def __call__(self, *args: Any) -> Any:
         leaves, tree = _tree.tree_flatten(args)
@@ -340,8 +481,8 @@ class BatchedFunction(DerivedFunction):
         try:
             return self._vmap(leaves, tree, positions)
         except Exception as e:
-            if runs_autograd_itself(e):
-                raise  # the call runs again with a loop (CallPlan.invoke)
+            if isinstance(e, TorchJaxError) or runs_autograd_itself(e):
+                raise  # ours; or: the call runs again with a loop (CallPlan.invoke)
             if lacks_batching_rule(e):
                 # Composite ops (column_stack) decompose into batchable ones only beneath
                 # an autograd level, as under torch.func.vmap(torch.func.grad(f)).
@@ -377,10 +518,23 @@ class BatchedFunction(DerivedFunction):
                 new[i] = leaves[i].select(d, k)
             out_leaves, out_tree = _tree.tree_flatten(self.inner(*_tree.tree_unflatten(tree, new)))
             rows.append([as_tensor(o, device) for o in out_leaves])
-        stacked = [torch.stack([r[j] for r in rows]) for j in range(out_tree.num_leaves)]
+        dims = self.out_dims or (0,) * out_tree.num_leaves
+        stacked = [
+            torch.stack([r[j] for r in rows]) if d is not None else self._same(rows, j)
+            for j, d in enumerate(dims)
+        ]
         return _tree.tree_unflatten(out_tree, stacked)
 
-    def _vmap(self, leaves: list, tree: Any, positions: list, decompose: bool = False) -> Any:
+    def _same(self, rows: list, j: int) -> torch.Tensor:
+        """Output j, which out_dims keeps unbatched: equal in every example, checked."""
+        if not all(torch.equal(r[j], rows[0][j]) for r in rows[1:]):
+            raise VmapError(UNBATCHED_CHANGED.format(name=self.root.name, j=j))
+        return rows[0][j]
+
+    def _vmap(
+        self, leaves: list, tree: Any, positions: list, decompose: bool = False, seen: Any = None
+    ) -> Any:
+        """One torch.func.vmap call; `seen` (a list) collects which outputs were batched."""
         out_tree = []
         device = leaves[positions[0]].device if positions else None
         # Only the batched tensors go through vmap's arguments; the others are captured,
@@ -398,10 +552,35 @@ class BatchedFunction(DerivedFunction):
             # One output goes back bare: vmap's per-output Python work is per call.
             return out[0] if len(out) == 1 else tuple(out)
 
-        dims = tuple(d for _, d in mapped)
         call = beneath_autograd(flat) if decompose else flat
+        unbatched: dict = {}
+        if seen is not None or self.out_dims is not None:
+            call = self._watching(call, seen, unbatched)
+        dims = tuple(d for _, d in mapped)
         out = vmap_call(call, [leaves[i] for i, _ in mapped], dims, self.randomness)
-        return _tree.tree_unflatten(out_tree[-1], [out] if out_tree[-1].num_leaves == 1 else out)
+        outs = [out] if out_tree[-1].num_leaves == 1 else list(out)
+        for j, o in unbatched.items():
+            outs[j] = o  # not batched at this level: as it left the function (vmap expanded it)
+        return _tree.tree_unflatten(out_tree[-1], outs)
+
+    def _watching(self, call: Any, seen: Any, unbatched: dict) -> Any:
+        """`call`, noting which outputs are batched at this vmap level (into `seen`), or
+        keeping those out_dims leaves unbatched (into `unbatched`), checked to be so."""
+
+        def watched(*tensors: torch.Tensor) -> Any:
+            out = call(*tensors)
+            outs = [out] if isinstance(out, torch.Tensor) else out
+            if seen is not None:
+                seen.append([batched_here(o) for o in outs])
+                return out
+            for j, d in enumerate(self.out_dims):
+                if d is None:
+                    if batched_here(outs[j]):
+                        raise VmapError(UNBATCHED_CHANGED.format(name=self.root.name, j=j))
+                    unbatched[j] = outs[j]
+            return out
+
+        return watched
 
     def out_types(self, options: Options, *args: Any) -> Any:
         leaves, tree = _tree.tree_flatten(args)
@@ -416,13 +595,21 @@ class BatchedFunction(DerivedFunction):
         inner = torch_call_p.abstract_eval(
             *_tree.tree_unflatten(tree, unbatched), fn=self.inner, options=options
         )
-        return _tree.tree_map(lambda s: jax.ShapeDtypeStruct((size, *s.shape), s.dtype), inner)
+        structs, out_tree = _tree.tree_flatten(inner)
+        dims = self.out_dims or (0,) * len(structs)
+        return _tree.tree_unflatten(
+            out_tree,
+            [
+                s if d is None else jax.ShapeDtypeStruct((size, *s.shape), s.dtype)
+                for s, d in zip(structs, dims, strict=True)
+            ],
+        )
 
-    def call_failure(self, error: Exception) -> Exception:
+    def call_failure(self, error: Exception, in_tree: Any = None) -> Exception:
         if not is_vmap_failure(error):
-            return self.inner.call_failure(error)  # not vmap's: the function's own, say
+            return self.inner.call_failure(error, in_tree)  # not vmap's: the function's own
         if self.inner.grad_mode and needs_setup_context(error):
-            return self.inner.call_failure(error)  # torch.func cannot differentiate it
+            return self.inner.call_failure(error, in_tree)  # torch.func cannot differentiate it
         return VmapError(self._hint(error))
 
     def _hint(self, error: Exception) -> str:

@@ -85,6 +85,10 @@ class Reachable:
         if isinstance(obj, torch.nn.Module):
             found = []
             for m in obj.modules():
+                if isinstance(m, torch.jit.ScriptModule):
+                    # TorchScript keeps its state in tables of its own, which its compiled
+                    # code alone changes (buffers, in place): no Python state to put back.
+                    continue
                 if id(m) not in self._seen or m is obj:
                     self._seen.add(id(m))
                     self.modules.append(m)

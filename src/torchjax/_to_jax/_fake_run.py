@@ -7,6 +7,7 @@
 # once per (function, structure, static leaves, shapes, dtypes).
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any
 
@@ -17,6 +18,8 @@ import torch
 from torchjax._compat._torch import (
     FakeTensorMode,
     compiled_function_original,
+    operator_name,
+    quiet_fake_tensor_log,
     tensor_version,
     unset_fake_temporarily,
 )
@@ -44,7 +47,13 @@ fake_runs = _FakeDepth()
 
 
 def function_name(fn: Any) -> str:
-    """A readable name for messages: the qualified name, or the type's for callable objects."""
+    """A readable name for messages: the qualified name, or the type's for callable objects;
+    a torch operator by its own name (torch.ops.aten.sin, a torch.library custom op)."""
+    op = operator_name(fn)
+    if op is not None:
+        return op
+    if inspect.isbuiltin(fn) and getattr(fn, "__module__", None) == "torch":
+        return f"torch.{fn.__name__}"  # not its C class's qualified name
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     if isinstance(name, str):
         return name
@@ -135,6 +144,8 @@ def fake_eval(fn: Any, args: tuple, name: str, describe: Any = None, state_of: A
       Exception: whatever `fn` raised on fake tensors; callers add the context.
     """
     state_of = fn if state_of is None else state_of
+    # torch logs every meta kernel that raises; this run re-raises what it meets.
+    quiet_fake_tensor_log(lambda: fake_runs.depth > 0)
     with _fake_lock:
         touched = FakeRunState(state_of, name, getattr(state_of, "isolates_state", False))
         try:
@@ -149,7 +160,11 @@ def _fake_run(fn: Any, args: tuple, name: str, describe: Any, touched: FakeRunSt
     """fake_eval's run itself; every tensor it makes is tracked, and none outlives it here."""
     device = default_torch_device()
     no_inference = torch.inference_mode(False)  # inference tensors have no version counter
-    with _inside_fake_run(), no_inference, FakeTensorMode(allow_non_fake_inputs=True):
+    # JAX code the torch code runs (a wrapped function called on a constant, say) runs
+    # now, on its concrete values: staged into the trace that asked for the types, it
+    # would hand torch a tracer.
+    compile_time = jax.ensure_compile_time_eval()
+    with compile_time, _inside_fake_run(), no_inference, FakeTensorMode(allow_non_fake_inputs=True):
         leaves, tree = _tree.tree_flatten_with_path(args)
         fakes, paths, values = [], [], []
         for path, leaf in leaves:

@@ -5,9 +5,11 @@
 # version counter of its own) or the storage itself (which bumps none), so version counters
 # cannot promise anything. The guard works on what all those routes share, the storage:
 #
-# * fake runs (the shapes of the user's function): a dispatch mode refuses any op whose
-#   schema writes (alias_info.is_write) into a tensor on an input's storage, naming the op
-#   and the argument, before any real data is touched;
+# * fake runs (the shapes of the user's function): a dispatch mode refuses any op that
+#   certainly writes into a tensor on an input's storage (an in-place op's self, an out=
+#   argument), naming the op and the argument, before any real data is touched; an op
+#   that only may write (its schema marks an argument it writes in some modes) is left to
+#   the real run;
 # * real runs: every input's storage is marked throw-on-mutable-data-ptr (torch's own mark
 #   for FakeTensor storages), so every kernel that would write raises before it does,
 #   whatever the route. A few readers ask for a writable pointer too (.numpy(), data_ptr(),
@@ -93,20 +95,43 @@ _writes: dict[Any, tuple] = {}  # op -> ((position, name), ...) of the arguments
 
 
 def _written_args(func: Any) -> tuple:
+    """The arguments an op writes: an in-place op's `self`, its out= arguments, and the
+    others it marks written (`Tensor(a!)`) where it has a `training` flag and it is set
+    (batch norm's running statistics, rrelu's noise: written in training mode alone).
+
+    Returns ((position, name, flag), ...): `flag` is None, or the (position, name) of the
+    training flag the write depends on. Another op's `Tensor(a!)` arguments a fake run
+    cannot tell written; the real run's storages refuse the write if it happens (below).
+    """
     found = _writes.get(func)
     if found is None:
         schema = op_schema(func)
-        found = tuple(
-            (i, a.name)
-            for i, a in enumerate(schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
-        _writes[func] = found
+        in_place = schema.name.endswith("_")
+        flags = [(i, a.name) for i, a in enumerate(schema.arguments) if a.name in _MODE_FLAGS]
+        flag = flags[0] if flags and str(schema.arguments[flags[0][0]].type) == "bool" else None
+        found = []
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            if a.is_out or (in_place and i == 0):
+                found.append((i, a.name, None))
+            elif flag is not None:
+                found.append((i, a.name, flag))
+        found = _writes[func] = tuple(found)
     return found
 
 
+_MODE_FLAGS = ("training", "train")
+
+
+def _argument(args: tuple, kwargs: dict, i: int, name: str) -> Any:
+    return kwargs[name] if name in kwargs else args[i] if i < len(args) else None
+
+
 class WriteGuard(TorchDispatchMode):
-    """Refuses every op that writes into the storage of one of `inputs` (fake tensors).
+    """Refuses every op that writes into the storage of one of `inputs` (fake tensors), as
+    its schema and training flag say (_written_args); a write no schema tells the real run
+    refuses if it happens.
 
     Sees all routes to the storage: in-place ops and out= arguments on the input, its
     views, `.data` and tensors made on its storage. An in-place view op (t_, unsqueeze_)
@@ -122,8 +147,10 @@ class WriteGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for i, arg_name in _written_args(func):
-            value = kwargs[arg_name] if arg_name in kwargs else args[i] if i < len(args) else None
+        for i, arg_name, flag in _written_args(func):
+            if flag is not None and not _argument(args, kwargs, *flag):
+                continue  # not in training mode: nothing is written
+            value = _argument(args, kwargs, i, arg_name)
             for t in value if isinstance(value, list | tuple) else (value,):
                 if isinstance(t, torch.Tensor):
                     path = self.storages.get(StorageWeakRef(t.untyped_storage()))

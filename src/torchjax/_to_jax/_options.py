@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, get_args
 
+from torchjax._errors import ArgumentError
+
 VmapMethod = Literal["torch.func", "torch", "sequential", "expand_dims", "broadcast_all"]
 VmapRandomness = Literal["error", "different", "same"]
 GradMethod = Literal["torch.func", "autograd"]
@@ -34,7 +36,7 @@ class Options:
             ("grad_method", grad_method, GRAD_METHODS),
         ):
             if value not in choices:
-                raise ValueError(
+                raise ArgumentError(
                     f"to_jax: {name}={value!r} is not one of {', '.join(map(repr, choices))}."
                 )
         if vmap_method == "torch":

@@ -6,13 +6,14 @@
 # has no equivalent of, a torch tensor where a JAX array belongs.
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
 import torch
 
 from torchjax._convert import SUPPORTED_DTYPES, torch_dtype
-from torchjax._errors import ConversionError
+from torchjax._errors import ConversionError, ShardingWarning
 from torchjax._to_jax._callables import DerivedFunction
 from torchjax._to_jax._options import Options
 
@@ -43,9 +44,33 @@ def abstract_eval(*args: Any, fn: Any, options: Options) -> Any:
     if isinstance(fn, DerivedFunction):
         return fn.out_types(options, *args)
     check_no_tensor(fn, args)
+    warn_if_sharded(fn, args)
     if fn.result_shape_dtypes is not None:
         return fn.out_types(options, *args)
     return fn.fake_types(args)
+
+
+SHARDED = """\
+{name} is called under jax.jit on {path}, sharded over the mesh axes {axes}. A torch call
+sees whole arrays, so XLA gathers the array onto the device the call runs on, and torch
+computes on all of it. To run torch on each device's own shard, call the function inside
+jax.shard_map:
+
+    jax.shard_map(f, mesh=mesh, in_specs=P({spec}), out_specs=P({spec}))"""
+
+
+def warn_if_sharded(fn: Any, args: tuple) -> None:
+    """Say so (once per signature: abstract eval is cached) where an input is sharded over
+    several devices outside shard_map. Only explicitly sharded types tell (meshes of
+    Explicit axes, jax.make_mesh's default); under Auto axes the trace does not know."""
+    for path, leaf in _tree.tree_flatten_with_path(args)[0]:
+        spec = getattr(getattr(leaf, "sharding", None), "spec", None)
+        axes = [a for a in spec or () if a is not None]
+        if axes:
+            shown = ", ".join(repr(a) for a in spec)
+            text = SHARDED.format(name=fn.name, path=fn.arg_path(path), axes=axes, spec=shown)
+            warnings.warn(text, ShardingWarning, stacklevel=2)
+            return
 
 
 def check_no_tensor(fn: Any, args: tuple) -> None:

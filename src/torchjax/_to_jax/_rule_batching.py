@@ -83,7 +83,9 @@ def _calls_user_directly(fn: Any) -> bool:
 
 
 def by_method(args: tuple, axes: tuple, *, fn: Any, options: Options) -> tuple[Any, int]:
-    """Batch ``fn(*args)`` according to ``options.vmap_method``; outputs batched at axis 0.
+    """Batch ``fn(*args)`` according to ``options.vmap_method``; outputs batched at axis 0
+    (with "torch.func", the user's function's outputs that depend on no batched input stay
+    unbatched: jax.vmap's out_axes=None).
 
     torch_call_p's batching rule; _rule_partial_eval.py registers it, after taking out one case
     of the JVP call (tangents batched, primals not).
@@ -97,7 +99,11 @@ def by_method(args: tuple, axes: tuple, *, fn: Any, options: Options) -> tuple[A
         # A derivative by torch.autograd.grad (grad_mode: one is in fn) cannot be vmapped.
         per_example = options.grad_method == "autograd" and fn.grad_mode
         batched = BatchedFunction(fn, in_dims, options.vmap_randomness, per_example)
-        return torch_call_p.bind(*args, fn=batched, options=options), 0
+        batched = batched.with_out_dims(args)  # outputs that depend on no batched input
+        out = torch_call_p.bind(*args, fn=batched, options=options)
+        if batched.out_dims is None:
+            return out, 0
+        return out, _tree.tree_unflatten(_tree.tree_structure(out), list(batched.out_dims))
 
     moved = [
         jnp.moveaxis(x, a, 0) if a is not None else x

@@ -76,12 +76,18 @@ def callback_call(
     out_paths: Sequence[str],
 ) -> list[Any]:
     """Stage a host call of `run` into the current JAX trace; returns the flat outputs."""
+    run = _notes_in_message(run)
     if not USE_BUFFER_CALLBACK:
         return _pure_callback_call(run, operands, out_structs, out_paths)
     on_cpu = None  # fixed by the first call: a buffer_callback is lowered for one platform
 
     def host(ctx: Any, outs: list, *ins: Any) -> None:
         nonlocal on_cpu
+        if torch.is_inference_mode_enabled():
+            # A jitted call made inside torch.inference_mode() runs its callback there too:
+            # its tensors would have no version counters, which the in-place check reads.
+            with torch.inference_mode(False):
+                return host(ctx, outs, *ins)
         if on_cpu is None:
             on_cpu = (ins or outs)[0].__dlpack_device__()[0] == _DL_CPU
         if not on_cpu:
@@ -111,6 +117,24 @@ def callback_call(
                 break
 
     return buffer_callback(host, list(out_structs))(*operands)
+
+
+def _notes_in_message(run: Run) -> Run:
+    """`run`, its exceptions' notes moved into their messages: XLA reports an exception
+    raised in a host callback by its traceback and message alone (a JaxRuntimeError), and
+    the notes say what torchjax knows of the cause (int32 indices with x64 off, say)."""
+
+    def call(tensors: list[torch.Tensor]) -> Sequence[Any]:
+        try:
+            return run(tensors)
+        except Exception as e:
+            notes = getattr(e, "__notes__", None)
+            if notes and len(e.args) <= 1 and type(e).__str__ is BaseException.__str__:
+                e.args = ("\n".join([str(e), *notes]),)
+                del e.__notes__
+            raise
+
+    return call
 
 
 def _run_into(run: Run, ins: Sequence, outs: Sequence, out_paths: Sequence[str], wrap) -> None:

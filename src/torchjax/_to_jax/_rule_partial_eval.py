@@ -35,7 +35,7 @@ from torchjax._compat._jax import (
     trace_constant,
 )
 from torchjax._compat._jax import partial_eval as pe
-from torchjax._primitive._params import ARRAY, rebuild
+from torchjax._primitive._params import ARRAY, as_operands, rebuild
 from torchjax._to_jax._autograd import inexact
 from torchjax._to_jax._callables import JvpFunction, RecordedForward, VjpFunction
 from torchjax._to_jax._rule_jvp import differentiated
@@ -67,7 +67,7 @@ def partial_eval(trace: pe.JaxprTrace, *tracers: Any, **flat: Any) -> list:
     if fn is None or all(known) or not all(known[:n_primal]):
         return process_by_default(trace, _prim, tracers, flat)
     options = dict(flat["params"])["options"]
-    values = [known_value(t) for t in tracers[:n_primal]] + list(tracers[n_primal:])
+    values = as_operands([known_value(t) for t in tracers[:n_primal]]) + list(tracers[n_primal:])
     primals, _ = rebuild(in_tree, statics, values)
     # The forward runs now, keeping torch's graph and RNG state for the linear half.
     forward = RecordedForward(fn.inner, fn.wrt, fn.out_mask, fn.grad_method)
@@ -94,7 +94,7 @@ def linearize(
     fn, options = params["fn"], params["options"]
     if isinstance(fn, VjpFunction):
         return None
-    primals = rebuild(in_tree, statics, operands)
+    primals = rebuild(in_tree, statics, as_operands(operands))
     leaves, tree = jax.tree_util.tree_flatten(primals)
     marks = [True if nz else None for nz in nonzeros]
     wrt = differentiated(leaves, tree.flatten_up_to(rebuild(in_tree, statics, marks, fill=None)))

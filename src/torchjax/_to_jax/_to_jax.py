@@ -13,7 +13,7 @@ import jax
 
 from torchjax._compat._jax import traceback_boundary
 from torchjax._convert import is_array
-from torchjax._errors import StaticArgumentError
+from torchjax._errors import ArgumentError, StaticArgumentError
 from torchjax._to_jax._callables import UserFunction
 from torchjax._to_jax._options import GradMethod, Options, VmapMethod, VmapRandomness
 from torchjax._to_jax._torch_call import torch_call_p
@@ -111,7 +111,10 @@ def to_jax(
             grad_method=grad_method,
         )
     if not callable(fn):
-        raise TypeError(f"to_jax expects a callable, got {type(fn).__name__}.")
+        raise ArgumentError(
+            f"to_jax expects a callable (a torch function, or any Python callable), got "
+            f"{type(fn).__name__}. Pass the function itself: to_jax(fn), or use @to_jax."
+        )
     options = Options.checked(vmap_method, vmap_randomness, grad_method)
     user = UserFunction(fn, result_shape_dtypes)
     params = torch_call_p._bound_params({"fn": user, "options": options})

@@ -56,6 +56,11 @@ class TorchCallPrimitive(PytreePrimitive):
         pe.partial_eval_jaxpr_custom_rules[self.primitive] = rule
         return rule
 
+    def __reduce__(self) -> Any:
+        # By reference: JAX's rule tables know this instance's primitive, and only it. A
+        # function pickled by value (cloudpickle: Ray, dask, spawned pools) finds it again.
+        return (_the_primitive, ())
+
     def def_linearization(self, rule: Any) -> Any:
         """``rule(is_vjp, nonzeros, *primals, **params)``: direct linearization, where JAX
         has it (see _compat._jax.register_linearization)."""
@@ -64,6 +69,11 @@ class TorchCallPrimitive(PytreePrimitive):
 
 
 torch_call_p = TorchCallPrimitive("torch_call")
+
+
+def _the_primitive() -> TorchCallPrimitive:
+    return torch_call_p
+
 
 # An error in a wrapped call shows the user's frames (their call, their torch code), not
 # torchjax's, wherever JAX filters tracebacks: torchjax is one more layer of JAX to them.

@@ -20,7 +20,7 @@ import torch
 
 from torchjax._compat._torch import forward_ad_active, functorch_transforms_active
 from torchjax._convert import canonical_jax_dtype
-from torchjax._errors import ConversionError, JaxOutputError, StaticArgumentError
+from torchjax._errors import ArgumentError, ConversionError, JaxOutputError, StaticArgumentError
 from torchjax._to_torch._spec import Spec, run_spec
 
 _tree = jax.tree_util
@@ -280,7 +280,11 @@ def to_torch(jax_fn: Callable[..., Any] | None = None, *, has_aux: bool = False)
     if jax_fn is None:
         return functools.partial(to_torch, has_aux=has_aux)
     if not callable(jax_fn):
-        raise TypeError(f"to_torch(jax_fn): expected a JAX function, got {type(jax_fn).__name__}.")
+        raise ArgumentError(
+            f"to_torch(jax_fn): expected a JAX function (a callable), got "
+            f"{'a jax.Array' if isinstance(jax_fn, jax.Array) else type(jax_fn).__name__}. "
+            f"Pass the function itself, or use @to_torch."
+        )
     name = getattr(jax_fn, "__qualname__", None) or type(jax_fn).__qualname__
     cache: dict[tuple, tuple[Spec, Any]] = {}
 

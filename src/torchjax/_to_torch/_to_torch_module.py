@@ -17,7 +17,7 @@ import torch
 
 from torchjax._compat._torch import module_buffers, module_children, module_parameters
 from torchjax._convert import tree_to_torch
-from torchjax._errors import ConversionError
+from torchjax._errors import ArgumentError, ConversionError
 from torchjax._to_torch._to_torch import to_torch
 
 _tree = jax.tree_util
@@ -49,7 +49,7 @@ def _names(path: tuple) -> list[str]:
     for i, part in enumerate(parts):
         why = "it is empty" if not part else 'it contains "."' if "." in part else None
         if why:
-            raise ValueError(_BAD_NAME.format(path=_tree.keystr(path[:i]), key=part, why=why))
+            raise ArgumentError(_BAD_NAME.format(path=_tree.keystr(path[:i]), key=part, why=why))
     return parts
 
 
@@ -58,7 +58,7 @@ def _check_free(owner: torch.nn.Module, name: str, path: tuple) -> None:
     # `training`), and attribute access would find the attribute, not the parameter.
     if hasattr(owner, name):
         why = f"{type(owner).__name__} already has an attribute of that name"
-        raise ValueError(_BAD_NAME.format(path=_tree.keystr(path), key=name, why=why))
+        raise ArgumentError(_BAD_NAME.format(path=_tree.keystr(path), key=name, why=why))
 
 
 class _Node(torch.nn.Module):
@@ -162,5 +162,7 @@ def to_torch_module(fn: Callable, params: Any, *, has_aux: bool = False) -> JaxM
       1.0
     """
     if not callable(fn):
-        raise TypeError(f"to_torch_module: fn must be a JAX function, got {type(fn).__name__}.")
+        raise ArgumentError(
+            f"to_torch_module: fn must be a JAX function (a callable), got {type(fn).__name__}."
+        )
     return JaxModule(fn, params, has_aux)

@@ -1,0 +1,235 @@
+"""Errors that name the fix (issue #25): each provoked as a user meets it, its message
+checked for what went wrong, where (the argument path) and how to fix it; where the advice
+is code, the advice is run and must work.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from helpers import tree_close
+
+import torchjax
+from torchjax.errors import (
+    ArgumentError,
+    AutodiffError,
+    OutputMismatchError,
+    ShapeInferenceError,
+    TorchJaxError,
+)
+
+pytestmark = pytest.mark.core
+
+
+def _batch_norm_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).eval()
+
+
+@pytest.mark.parametrize("grad_method", ["torch.func", "autograd"])
+def test_differentiated_batch_norm_buffers_are_named_with_the_fix(grad_method):
+    model = _batch_norm_model()
+    apply, variables = torchjax.module_to_jax(model, grad_method=grad_method)
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    # Every float leaf differentiated, as equinox's filter_grad would (the int counter aside).
+    loss = lambda v: apply(v, x).sum()
+    with pytest.raises(AutodiffError) as info:
+        jax.grad(loss, allow_int=True)(variables)
+    text = str(info.value)
+    assert "variables['buffers']['1.running_mean']" in text  # where
+    assert "not differentiable with respect to argument 'running_mean'" in text  # what
+    assert "stop_gradient" in text and "variables['params'] only" in text  # the fix
+    assert "grad_method" not in text  # the other grad_method fails the same way: not advised
+    # The fix it shows works, and agrees with torch.
+    params = variables["params"]
+    grads = jax.grad(lambda p: apply({"params": p, "buffers": variables["buffers"]}, x).sum())(
+        params
+    )
+    xt = torch.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    model(xt).sum().backward()
+    tree_close(grads["0.weight"], model[0].weight.grad)
+
+
+def test_traced_python_bool_is_named_with_static_argnames():
+    f = torchjax.to_jax(lambda x, negate: -x if negate else x)
+    with pytest.raises(ShapeInferenceError) as info:
+        jax.jit(f)(jnp.ones(2), True)
+    text = str(info.value)
+    assert "args[1]: a boolean the function may branch on arrived as an array" in text
+    assert "static_argnames" in text and "functools.partial" in text
+    # The advice works:
+    tree_close(jax.jit(f, static_argnums=1)(jnp.ones(2), True), -jnp.ones(2))
+    tree_close(jax.jit(functools.partial(f, negate=True))(jnp.ones(2)), -jnp.ones(2))
+
+
+def test_traced_bool_keyword_of_a_transformers_model():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16)
+    apply, variables = torchjax.module_to_jax(transformers.GPT2LMHeadModel(cfg).eval())
+    ids = jnp.array([[1, 2, 3, 4]])
+    with pytest.raises(ShapeInferenceError) as info:
+        jax.jit(apply)(variables, ids, use_cache=False, return_dict=False)
+    text = str(info.value)
+    assert "kwargs['use_cache']" in text and "kwargs['return_dict']" in text
+    assert 'static_argnames=("use_cache", "return_dict")' in text
+    jitted = jax.jit(apply, static_argnames=("use_cache", "return_dict"))
+    out = jitted(variables, ids, use_cache=False, return_dict=False)
+    assert out[0].shape == (1, 4, 32)
+
+
+def test_script_module_is_refused_with_the_wrapping_that_works():
+    linear = torch.nn.Linear(2, 3)
+    scripted = torch.jit.script(linear)
+    with pytest.raises(
+        ArgumentError, match=r"module_to_jax\(Linear\): it is a TorchScript module"
+    ) as e:
+        torchjax.module_to_jax(scripted)
+    assert "torchjax.to_jax(lambda x: scripted(x))" in str(e.value)
+    f = torchjax.to_jax(lambda x: scripted(x))
+    x = jnp.ones((4, 2))
+    tree_close(jax.jit(f)(x), linear(torch.ones(4, 2)))
+    tree_close(jax.jit(jax.grad(lambda x: f(x).sum()))(x), linear.weight.sum(0).expand(4, 2))
+
+
+def test_scripted_submodule_is_refused_naming_it():
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.jit.script(torch.nn.Linear(2, 2))
+            self.norm = torch.nn.LayerNorm(2)
+
+        def forward(self, x):
+            return self.norm(self.inner(x))
+
+    model = Outer()
+    with pytest.raises(ArgumentError, match=r"module_to_jax\(Outer\): its submodule 'inner' is"):
+        torchjax.module_to_jax(model)
+    f = torchjax.to_jax(lambda x: model(x))  # the wrapping it advises
+    tree_close(jax.jit(f)(jnp.ones((4, 2))), model(torch.ones(4, 2)))
+
+
+_Pair = collections.namedtuple("_Pair", "a b")
+
+
+def test_namedtuple_class_made_per_call_is_explained():
+    def fresh_class(x):
+        Pair = collections.namedtuple("Pair", "a b")  # a new class on every call
+        return Pair(x, x * 2)
+
+    f = torchjax.to_jax(fresh_class)
+    # Under jit the real call's class differs from the fake run's: the error says why.
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"(?s)print alike.*Define it once"):
+        jax.jit(f)(jnp.ones(2)).a.block_until_ready()
+    defined_once = torchjax.to_jax(lambda x: _Pair(x, x * 2))  # the fix
+    tree_close(jax.jit(defined_once)(jnp.ones(2)), _Pair(jnp.ones(2), 2 * jnp.ones(2)))
+
+
+def test_declared_structure_mismatch_prints_both_trees():
+    declared = [jax.ShapeDtypeStruct((2,), jnp.float32)] * 2  # a list; the function: a tuple
+    f = torchjax.to_jax(lambda x: (x, x), result_shape_dtypes=declared)
+    with pytest.raises(
+        OutputMismatchError,
+        match=r"structure PyTreeDef\(\(\*, \*\)\), but PyTreeDef\(\[\*, \*\]\) was declared",
+    ):
+        f(jnp.ones(2))
+
+
+@pytest.mark.parametrize(
+    "arg, where",
+    [
+        (2.0, r"args\[0\]"),
+        ([1.0, 2.0], r"args\[0\]\[0\], args\[0\]\[1\]"),
+        ({"a": 1.0}, r"args\[0\]\['a'\]"),
+    ],
+    ids=["float", "list", "dict"],
+)
+def test_python_values_where_a_tensor_is_expected_get_a_note(arg, where):
+    f = torchjax.to_jax(lambda x: torch.sin(x))
+    with pytest.raises(TypeError, match="must be Tensor") as info:  # torch's own error
+        f(arg)
+    assert not isinstance(info.value, TorchJaxError)  # it stays the user's
+    notes = "\n".join(info.value.__notes__)
+    assert re.search(where + " reached the function as Python numbers", notes), notes
+    assert "jnp.asarray(values)" in notes
+    values = arg["a"] if isinstance(arg, dict) else arg
+    tree_close(f(jnp.asarray(values)), np.sin(np.asarray(values, np.float32)))  # the fix
+
+
+INT64_OPS = {
+    "take": (lambda x, i: torch.take(x, i), lambda x, i: jnp.take(x, i)),
+    "nll_loss": (
+        lambda x, i: torch.nn.functional.nll_loss(x.reshape(2, 3), i),
+        lambda x, i: -jnp.mean(x.reshape(2, 3)[jnp.arange(2), i]),
+    ),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("op", sorted(INT64_OPS))
+def test_int32_indices_with_x64_off_get_the_x64_note(op, jit, x64_off):
+    fn, ref = INT64_OPS[op]
+    f = torchjax.to_jax(fn)
+    x, i = jnp.linspace(0.0, 1.0, 6), jnp.array([0, 1])
+    # Under jit, from the fake run (take checks dtypes there) or from XLA's host callback
+    # (nll_loss): JaxRuntimeError, a RuntimeError too.
+    with pytest.raises(RuntimeError) as info:
+        out = (jax.jit(f) if jit else f)(x, i)
+        out.block_until_ready()
+    text = str(info.value) + "\n".join(getattr(info.value, "__notes__", []))
+    assert "x64 mode is off" in text and "index.long()" in text and "jax_enable_x64" in text
+    # The fix it names works:
+    fixed = torchjax.to_jax(lambda x, i: fn(x, i.long()))
+    tree_close((jax.jit(fixed) if jit else fixed)(x, i), ref(x, i))
+
+
+@torch.library.custom_op("torchjax_advice::doubled", mutates_args=())
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_custom_op_without_fake_kernel_names_register_fake():
+    f = torchjax.to_jax(_doubled)
+    with pytest.raises(ShapeInferenceError) as info:
+        jax.jit(f)(jnp.ones(3))
+    text = str(info.value)
+    assert "torchjax_advice::doubled is a custom operator without a fake kernel" in text
+    assert '@torch.library.register_fake("torchjax_advice::doubled")' in text
+    assert "result_shape_dtypes" in text
+    tree_close(f(jnp.ones(3)), 2 * jnp.ones(3))  # eagerly it runs for real
+    declared = torchjax.to_jax(
+        _doubled, result_shape_dtypes=jax.ShapeDtypeStruct((3,), jnp.float32)
+    )
+    tree_close(jax.jit(declared)(jnp.ones(3)), 2 * jnp.ones(3))  # the second fix works
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: torchjax.to_jax(3), r"to_jax expects a callable .* got int"),
+        (
+            lambda: torchjax.to_jax(torch.sin, grad_method="magic"),
+            r"grad_method='magic' is not one of",
+        ),
+        (lambda: torchjax.to_jax(torch.sin, vmap_randomness="maybe"), r"vmap_randomness='maybe'"),
+        (lambda: torchjax.module_to_jax(lambda x: x), r"module_to_jax expects a torch.nn.Module"),
+        (lambda: torchjax.to_torch(jnp.ones(2)), r"got a jax.Array"),
+        (
+            lambda: torchjax.to_torch_module(lambda p, x: x, {"a.b": jnp.ones(2)}),
+            r"params has the key 'a.b'",
+        ),
+    ],
+    ids=["not-callable", "grad_method", "vmap_randomness", "not-a-module", "to_torch-array", "key"],
+)
+def test_bad_arguments_raise_argument_error(make, match):
+    with pytest.raises(ArgumentError, match=match) as info:
+        make()
+    assert isinstance(info.value, TorchJaxError)
+    assert isinstance(info.value, TypeError | ValueError)  # the builtin kinds still catch
