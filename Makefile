@@ -1,4 +1,7 @@
 # Two entry points: `make demo` and `make test`. Both create .venv on first use.
+# `make docs` builds the documentation site (mkdocs.yml) into site/, every warning an error;
+# `make dist` builds and checks the wheel and sdist and runs the quickstart from the wheel;
+# `make typecheck` runs mypy on the public API as user code sees it and on examples/.
 # `make test-matrix` runs the core tests on the oldest and newest supported versions, each in
 # a throwaway venv outside the repo (tools/matrix.py, docs/install.md).
 PYTHON ?= python3
@@ -6,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-matrix lint bench conformance clean
+.PHONY: demo test test-matrix lint typecheck docs dist bench conformance clean
 
 $(STAMP): requirements-dev.txt requirements-thirdparty.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +29,16 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q
 
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+# NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor, printed on every build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+dist: $(STAMP)
+	$(BIN)/python tools/check_dist.py
+
 test-matrix:
 	$(PYTHON) tools/matrix.py
 
@@ -36,4 +49,4 @@ conformance: $(STAMP)
 	$(BIN)/python tools/conformance.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) site dist build

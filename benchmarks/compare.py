@@ -56,6 +56,7 @@ SUITES = {
     "module": "`module_to_jax` overhead",
     "concurrent": "Concurrent `module_to_jax` calls: `shard_map` over 4 devices",
     "to_torch": "`to_torch` overhead",
+    "compile_cache": "A new process's first jitted call: JAX's persistent compilation cache",
 }
 SECTIONS = [*SUITES, "sweep"]
 

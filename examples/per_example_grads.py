@@ -63,12 +63,13 @@ assert real_forwards and all(s == (BATCH, 4) for s in real_forwards), real_forwa
 assert len(real_forwards) < BATCH, real_forwards
 
 # Reference: PyTorch autograd, one example at a time.
-ref = {name: [] for name, _ in model.named_parameters()}
+ref: dict[str, list[torch.Tensor]] = {name: [] for name, _ in model.named_parameters()}
 for i in range(BATCH):
     model.zero_grad()
     loss = torch.sum((model(x_t[i]) - y_t[i]) ** 2)
     loss.backward()
     for name, p in model.named_parameters():
+        assert p.grad is not None, name
         ref[name].append(p.grad.clone())
 
 worst = 0.0

@@ -34,6 +34,7 @@ def test_compare_quick_runs_and_renders(tmp_path):
     assert out.count("| case | median µs | baseline | baseline µs | ratio |") == 11
     assert "| elements | native torch | to_jax eager | jax.jit(to_jax) |" in out
     assert "| 256 |" in out and "| 4,096 |" not in out
+    assert "| cache, filled |" in out  # bench_compile_cache: its fresh processes ran
     assert "wrap_torch2jax: not measured; optional libraries not requested" in out
 
     doc = (tmp_path / "benchmarks.md").read_text()

@@ -21,12 +21,10 @@ def test_markdown_python_blocks_run(path):
             raise AssertionError(f"{path.name} block {i} failed: {type(e).__name__}: {e}") from e
 
 
-def test_api_reference_is_up_to_date():
-    import importlib.util
+def test_api_reference_lists_every_public_name():
+    # docs/api.md is rendered from the docstrings by mkdocstrings (`make docs`, which fails on
+    # a name it cannot find); this checks it leaves none of torchjax.__all__ out.
+    import torchjax
 
-    spec = importlib.util.spec_from_file_location("make_api", ROOT / "docs" / "make_api.py")
-    make_api = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_api)
-    assert (ROOT / "docs" / "api.md").read_text() == make_api.render(), (
-        "docs/api.md is stale: run `python docs/make_api.py`"
-    )
+    listed = re.findall(r"^::: torchjax\.(\w+)$", (ROOT / "docs" / "api.md").read_text(), re.M)
+    assert sorted(listed) == sorted(torchjax.__all__)

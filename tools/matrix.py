@@ -57,8 +57,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CORE_TESTS = ("--core", "tests")
 
 
-# Test dependencies, at the versions requirements-dev.txt pins (optax: test_multidevice).
-TEST_TOOLS = ("pytest", "hypothesis", "optax")
+# Test dependencies, at the versions requirements-dev.txt pins (optax: test_multidevice;
+# cloudpickle: test_jax_surface).
+TEST_TOOLS = ("pytest", "hypothesis", "optax", "cloudpickle")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,10 +67,27 @@ class Config:
     name: str
     python: str  # major.minor
     requirements: tuple[str, ...]  # what this configuration installs besides torchjax
+    env: tuple[tuple[str, str], ...] = ()  # environment variables set for its tests
+    venv: str = ""  # the venv it runs in, if another configuration's (the same installs)
+
+    @property
+    def venv_name(self) -> str:
+        return self.venv or self.name
 
 
 # The newest releases below pyproject's upper bounds: pip picks the newest patch release.
 NEWEST = ("jax>=0.12,<0.13", "jaxlib>=0.12,<0.13", "torch>=2.15,<2.16")
+
+# jax 0.12's upgrade flags that are still off by default (flags declared with upgrade=True
+# in jax/_src/config.py). remat3 bypasses the partial-eval rule tables torchjax registers.
+# jax_scan3 is left off: in jax 0.12.0.1 its scan has no vmap or reverse-mode rule yet, so
+# jax.vmap and jax.grad of a pure-JAX lax.scan raise NotImplementedError with it on.
+UPGRADE_FLAGS = (
+    ("JAX_REMAT3", "1"),
+    ("JAX_CUSTOM_VJP3", "1"),
+    ("JAX_CUSTOM_JVP3", "1"),
+    ("JAX_REMAT_BARRIER_NO_COTANGENTS", "1"),
+)
 
 CONFIGS = (
     # pyproject's lower bounds, exactly. JAX 0.11+ needs Python 3.12, so 3.11 ends at 0.10.
@@ -78,6 +96,12 @@ CONFIGS = (
     # The newest JAX with the oldest torch, on a newer Python: the corner between the two.
     Config("py3.12-jax-newest-torch-oldest", "3.12", (*NEWEST[:2], "torch==2.13.0")),
     Config("py3.13-newest", "3.13", NEWEST),
+    # jax 0.12 admits the jaxlib before it (its Requires-Dist: jaxlib>=0.11.2), a pair pip
+    # picks where jaxlib 0.12 is not available yet.
+    Config("py3.12-jax-0.12-jaxlib-0.11", "3.12", (NEWEST[0], "jaxlib==0.11.2", NEWEST[2])),
+    # JAX's new implementations behind flags marked for flipping (jax.config's upgrade=True
+    # flags that are still off by default), all on: the day JAX flips them, nothing changes.
+    Config("py3.12-newest-jax-upgrades", "3.12", NEWEST, env=UPGRADE_FLAGS, venv="py3.12-newest"),
 )
 
 
@@ -157,7 +181,7 @@ class Matrix:
         if self.wheel is None:
             out, src = Path(self.scratch.name) / "wheel", Path(self.scratch.name) / "src"
             src.mkdir()
-            for name in ("pyproject.toml", "README.md"):
+            for name in ("pyproject.toml", "README.md", "LICENSE"):
                 shutil.copy(ROOT / name, src / name)
             shutil.copytree(ROOT / "src", src / "src", ignore=shutil.ignore_patterns("*.egg-info"))
             cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out)]
@@ -180,7 +204,7 @@ class Matrix:
 
     def install(self, config: Config, python: str) -> Path:
         """The configuration's venv with its requirements and torchjax's wheel installed."""
-        venv = self.home / "venvs" / config.name
+        venv = self.home / "venvs" / config.venv_name
         log = self.logs / f"{config.name}-install.log"
         log.write_text("")
         requirements = [*config.requirements, *test_tool_pins()]
@@ -212,18 +236,20 @@ class Matrix:
         stamp.write_text(wanted)
         return venv
 
-    def versions(self, venv: Path) -> dict:
+    def versions(self, config: Config, venv: Path) -> dict:
         code = (
             "import json, sys, jax, jaxlib, numpy, torch, torchjax\n"
             "print(json.dumps({'python': sys.version.split()[0], 'jax': jax.__version__, "
             "'jaxlib': jaxlib.__version__, 'torch': torch.__version__, "
-            "'numpy': numpy.__version__, 'torchjax': torchjax.__file__}))"
+            "'numpy': numpy.__version__, 'torchjax': torchjax.__file__, "
+            f"'flags': {{n: jax.config.values[n.lower()] for n in {[k for k, _ in config.env]}}}"
+            "}))"
         )
         out = subprocess.run(
             [str(venv / "bin" / "python"), "-c", code],
             capture_output=True,
             text=True,
-            env=self.env,
+            env=dict(self.env, **dict(config.env)),
             cwd=self.home,
             timeout=600,
         )
@@ -232,6 +258,9 @@ class Matrix:
         found = json.loads(out.stdout.strip().splitlines()[-1])
         if "site-packages" not in found["torchjax"]:
             raise RuntimeError(f"imported torchjax from {found['torchjax']}, not the wheel")
+        off = [name for name, on in found.pop("flags").items() if not on]
+        if off:  # a flag this jax does not read would make the configuration test nothing
+            raise RuntimeError(f"jax did not turn on {off} from the environment")
         return found
 
     def run_tests(self, config: Config, venv: Path) -> dict:
@@ -240,9 +269,12 @@ class Matrix:
         log = self.logs / f"{config.name}-tests.log"
         cmd = [str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
         cmd += [f"--junitxml={xml}", *self.tests]
+        env = dict(self.env, **dict(config.env))
         with open(log, "w") as f:
+            if config.env:
+                f.write(f"environment: {' '.join(f'{k}={v}' for k, v in config.env)}\n")
             proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
             )
             timer = threading.Timer(self.timeout, proc.kill)  # a hang fails, never waits forever
             timer.start()
@@ -276,7 +308,7 @@ class Matrix:
         start = time.monotonic()
         try:
             venv = self.install(config, python)
-            result.versions = self.versions(venv)
+            result.versions = self.versions(config, venv)
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             result.reason = str(e)
             return result
@@ -333,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for c in CONFIGS:
-            print(f"{c.name}: Python {c.python}, {' '.join(c.requirements)}")
+            env = "".join(f" {k}={v}" for k, v in c.env)
+            print(f"{c.name}: Python {c.python}, {' '.join(c.requirements)}{env}")
         print("tests:", " ".join(args.tests))
         return 0
     home = Path(args.dir or Path.home() / ".cache" / "torchjax-matrix").resolve()
@@ -345,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     try:
         for config in selected:
-            print(f"\n=== {config.name}: Python {config.python}, {' '.join(config.requirements)}")
+            env = "".join(f" {k}={v}" for k, v in config.env)
+            needs = " ".join(config.requirements)
+            print(f"\n=== {config.name}: Python {config.python}, {needs}{env}")
             sys.stdout.flush()
             result = matrix.run(config)
             print(f"=== {config.name}: {result.status} {result.reason}".rstrip(), flush=True)

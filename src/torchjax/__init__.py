@@ -7,6 +7,7 @@ from torchjax._primitive._core import PytreePrimitive
 from torchjax._to_jax._to_jax import to_jax
 from torchjax._to_torch._to_torch import to_torch
 from torchjax._to_torch._to_torch_module import to_torch_module
+from torchjax._version import __version__ as __version__
 
 __all__ = [
     "PytreePrimitive",

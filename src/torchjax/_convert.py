@@ -290,7 +290,7 @@ def tree_to_jax(tree: Any) -> Any:
     Returns:
       The same structure with JAX arrays in place of tensors and numpy arrays.
 
-    Example:
+    Examples:
       >>> import torch, torchjax
       >>> out = torchjax.tree_to_jax({"w": torch.ones(2, 3), "n": 4})
       >>> out["w"].shape, out["n"]  # [2, 3] jax.Array; 4 passes through
@@ -334,7 +334,7 @@ def tree_to_torch(tree: Any) -> Any:
     Returns:
       The same structure with torch tensors in place of arrays.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, torchjax
       >>> t = torchjax.tree_to_torch([jnp.zeros(3), None])
       >>> t[0].shape, t[1]  # torch.Size([3]); None passes through

@@ -6,7 +6,7 @@ of them; each also derives from the builtin exception that describes its kind
 against those keeps working. Messages say what went wrong, where (an argument path such
 as ``args[0]['w']``) and how to fix it.
 
-Example:
+Examples:
   >>> import jax.numpy as jnp, torch, torchjax
   >>> from torchjax.errors import InPlaceMutationError, TorchJaxError
   >>> bump = torchjax.to_jax(lambda x: x.add_(1))  # modifies its input

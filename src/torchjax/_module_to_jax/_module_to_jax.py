@@ -335,7 +335,7 @@ def module_to_jax(
       VariablesError: (from apply) ``variables`` lacks a group, or a name or shape differs
         from the module's.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, torch, torchjax
       >>> apply, variables = torchjax.module_to_jax(torch.nn.Linear(3, 2))
       >>> loss = lambda v, x: jnp.sum(apply(v, x) ** 2)  # [B, 3] -> []

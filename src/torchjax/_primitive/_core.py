@@ -84,7 +84,7 @@ class PytreePrimitive:
         args with a cotangent for each ``PytreePrimitive.Linear`` leaf (None for a zero
         one, per leaf or per whole argument). Zero cotangents arrive as None.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> from torchjax import PytreePrimitive
       >>> weighted_sum_p = PytreePrimitive("weighted_sum")

@@ -93,7 +93,7 @@ def to_jax(
     Returns:
       A JAX function with `fn`'s name and docstring.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, torch, torchjax
       >>> @torchjax.to_jax
       ... def f(x):  # [N] -> []

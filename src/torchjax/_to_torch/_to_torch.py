@@ -259,7 +259,7 @@ def to_torch(jax_fn: Callable[..., Any] | None = None, *, has_aux: bool = False)
       JaxOutputError: ``jax_fn`` returned something other than arrays (or, with
         ``has_aux``, something other than a pair).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, torch
       >>> from torchjax import to_torch
       >>> @to_torch

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -122,6 +122,12 @@ class JaxModule(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"fn={self._fn_name}"
 
+    if TYPE_CHECKING:
+        # For type checkers only: the attributes are the params' names, made at run time, so
+        # `module.dense.kernel` is a parameter or a group of them, not nn.Module's
+        # `Tensor | Module` (which has no `.detach()`). nn.Module's own __getattr__ runs.
+        def __getattr__(self, name: str) -> Any: ...
+
 
 def to_torch_module(fn: Callable, params: Any, *, has_aux: bool = False) -> JaxModule:
     """Turn a JAX function and its params pytree into a ``torch.nn.Module``.
@@ -147,7 +153,7 @@ def to_torch_module(fn: Callable, params: Any, *, has_aux: bool = False) -> JaxM
         ``torch.nn.Module`` attribute (such as ``"training"`` or ``"forward"``).
       ConversionError: a leaf of ``params`` is not an array.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, torch, torchjax
       >>> def mlp(params, x):  # {"dense": {"kernel": [3, 2], "bias": [2]}}, [N, 3] -> [N, 2]
       ...     return jnp.tanh(x @ params["dense"]["kernel"] + params["dense"]["bias"])
