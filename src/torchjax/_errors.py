@@ -76,7 +76,10 @@ class JaxOutputError(TorchJaxError, TypeError):
 
 class VariablesError(TorchJaxError, ValueError):
     """``variables`` passed to a ``module_to_jax`` function does not match the module's
-    parameters and buffers (missing, unexpected or misshaped entries)."""
+    parameters and buffers (missing, unexpected or misshaped entries), or torch computed
+    with a module tensor that has no data: one of a module after
+    ``module_to_jax(module, copy="move")``, or one the module kept outside its parameter
+    and buffer slots."""
 
 
 class StateWarning(UserWarning):

@@ -38,6 +38,8 @@ apply, variables = torchjax.module_to_jax(torch.nn.Linear(3, 2), copy=False)
 assert_type(apply, Callable[..., Any])
 assert_type(variables, dict[Any, Any])
 torchjax.module_to_jax(torch.nn.Linear(3, 2), grad_method="jax")  # type: ignore[arg-type]
+torchjax.module_to_jax(torch.nn.Linear(3, 2), copy="move")
+torchjax.module_to_jax(torch.nn.Linear(3, 2), copy="share")  # type: ignore[arg-type]
 
 # to_torch and to_torch_module: torch callables and an nn.Module.
 double = torchjax.to_torch(lambda x: 2 * x)

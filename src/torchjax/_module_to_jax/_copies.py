@@ -8,11 +8,12 @@
 # whatever the module holds by then, and state the forward leaves behind (a lazily built
 # table, a cache, a Python counter) would change later calls. So the user's module is never
 # run. At module_to_jax time it is copied once (`template`; parameters and buffers become
-# meta placeholders, no memory), and every call runs in a copy of that template taken from
-# a pool: installed with the call's tensors, run, and given back reset to the template's
-# Python state. A copy that a backward may still read is held, not given back, until that
-# backward is done (_residual.hold). Fake runs get a fresh copy of their own, thrown away
-# after, so that no FakeTensor can reach a later call.
+# placeholders without memory, which raise if computed with: _placeholders.py), and every
+# call runs in a copy of that template taken from a pool: installed with the call's
+# tensors, run, and given back reset to the template's Python state. A copy that a
+# backward may still read is held, not given back, until that backward is done
+# (_residual.hold). Fake runs get a fresh copy of their own, thrown away after, so that no
+# FakeTensor can reach a later call.
 from __future__ import annotations
 
 import collections
@@ -34,6 +35,7 @@ from torchjax._compat._torch import (
     storage_id,
 )
 from torchjax._errors import StateWarning, VariablesError
+from torchjax._module_to_jax._placeholders import IDLE, placeholder
 from torchjax._to_jax._fake_run import real_mode
 from torchjax._to_jax._residual import HeldState, KeptGraph, hold, input_view, rebuild_input_view
 from torchjax._to_jax._snapshots import ModulesSnapshot
@@ -55,15 +57,6 @@ def _slot_names(module: torch.nn.Module, named: Any) -> list[tuple[str, str, str
         owner, _, key = name.rpartition(".")
         names.append((owner, key, canonical[id(t)]))
     return names
-
-
-def _placeholder(t: torch.Tensor) -> torch.Tensor:
-    """A tensor of t's type, shape and dtype with no memory: what an idle copy holds. A read
-    of it outside a call (a reference the module keeps beside its slots) fails loudly."""
-    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    if isinstance(t, torch.nn.Parameter):
-        return torch.nn.Parameter(meta, requires_grad=t.requires_grad)
-    return meta
 
 
 class ModuleCopy(HeldState):
@@ -221,7 +214,10 @@ class ModuleState:
             "buffers": {k: tuple(v.shape) for k, v in self.buffers.items()},
         }
         self.submodules = list(module.modules())
-        placeholders = {id(t): _placeholder(t) for t in (*module.parameters(), *module.buffers())}
+        idle = IDLE.format(module=type(module).__name__)
+        placeholders = {
+            id(t): placeholder(t, idle) for t in (*module.parameters(), *module.buffers())
+        }
         try:
             template = _copy_of(module, placeholders)
         except Exception as e:

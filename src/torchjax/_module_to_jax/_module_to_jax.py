@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -31,6 +31,7 @@ from torchjax._compat._torch import (
 from torchjax._convert import tree_to_jax
 from torchjax._errors import ArgumentError, VariablesError
 from torchjax._module_to_jax._copies import ModuleState
+from torchjax._module_to_jax._move import move_out
 from torchjax._primitive._params import ARRAY
 from torchjax._to_jax._guard import same_bytes
 from torchjax._to_jax._options import GradMethod, VmapMethod, VmapRandomness
@@ -289,7 +290,7 @@ def module_to_jax(
     vmap_randomness: VmapRandomness = "error",
     grad_method: GradMethod = "torch.func",
     result_shape_dtypes: Any = None,
-    copy: bool = True,
+    copy: bool | Literal["move"] = True,
 ) -> tuple[Callable, dict]:
     """Turn a ``torch.nn.Module`` into a pure JAX function and its variables pytree.
 
@@ -312,8 +313,14 @@ def module_to_jax(
         ``jax.ShapeDtypeStruct``, or a callable taking forward's inputs (not the
         variables) as ShapeDtypeStructs. Without it they are found on fake tensors.
       copy: ``True`` (default): ``variables`` are copies, made once now, so training the
-        torch module later never changes them. ``False``: they share memory with the
-        module's tensors (no copy); only safe if torch never writes the module's
+        torch module later never changes them. ``"move"``: the module's tensors become
+        ``variables`` without a copy, and the module is left holding meta tensors (no
+        memory; running it in torch then fails), so one set of weights exists, and torch
+        has nothing left to write through. A tensor also held outside the module (an
+        optimizer made before, a view) is copied instead, with a ``CopyWarning``.
+        ``torchjax.tree_to_torch(variables)`` and ``load_state_dict(..., assign=True)``
+        put weights back into the module. ``False``: variables share memory with the
+        module's tensors, which keep them; only safe if torch never writes the module's
         parameters or buffers afterwards (an optimizer step, ``load_state_dict``, a
         training-mode forward in torch), since that would change the JAX arrays.
 
@@ -364,11 +371,21 @@ def module_to_jax(
         "grad_method": grad_method,
     }
     to_jax(lambda: None, **options)  # validates the choices now, with to_jax's messages
+    if not (isinstance(copy, bool) or (isinstance(copy, str) and copy == "move")):
+        raise ArgumentError(
+            f"module_to_jax: copy={copy!r} is not one of its choices: True (variables are "
+            f"copies), 'move' (the module's tensors become variables, the module keeps meta "
+            f"tensors) or False (variables share the module's memory)."
+        )
     impl = _Apply(module, options, result_shape_dtypes)
-    variables = {
-        "params": _to_jax_copy(impl.state.params, copy),
-        "buffers": _to_jax_copy(impl.state.buffers, copy),
-    }
+    state = impl.state
+    if isinstance(copy, str):
+        variables = move_out(state.module, {"params": state.params, "buffers": state.buffers})
+    else:
+        variables = {
+            "params": _to_jax_copy(state.params, bool(copy)),
+            "buffers": _to_jax_copy(state.buffers, bool(copy)),
+        }
 
     apply = ModuleFunction(impl)
     return apply, variables
