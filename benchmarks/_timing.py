@@ -1,9 +1,12 @@
-"""Shared timing helpers: medians over repeated runs, and a markdown table with ratios."""
+"""Shared timing helpers: medians over repeated runs, and a markdown table with ratios; and
+the peak of memory in use while something runs."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import statistics
+import threading
 import time
 import timeit
 from collections.abc import Callable
@@ -94,3 +97,46 @@ def format_tables(tables: list[Table]) -> str:
 def print_table(title: str, rows: list[Row]) -> None:
     """rows: (case, seconds, baseline name, baseline seconds); prints medians and ratios."""
     print(f"\n{format_table(title, rows)}")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks "
+        "keepcost".split()
+    ]
+
+
+_libc = None
+
+
+def malloc_in_use() -> int:
+    """Bytes malloc has handed out and not taken back (glibc's mallinfo2: heap chunks in use
+    plus mmapped chunks). torch's and XLA's CPU buffers both come from malloc; RSS would not
+    do, since the allocator keeps freed pages."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL("libc.so.6")
+        _libc.mallinfo2.restype = _MallInfo2
+    info = _libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+class PeakInUse:
+    """`with PeakInUse() as p: ...`: p.peak is the most malloc_in_use() seen, sampled every
+    0.2 ms on a thread of its own while the block runs."""
+
+    def __enter__(self) -> PeakInUse:
+        self.peak, self._done = malloc_in_use(), False
+        self._thread = threading.Thread(target=self._sample)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done:
+            self.peak = max(self.peak, malloc_in_use())
+            time.sleep(0.0002)
+
+    def __exit__(self, *exc: object) -> None:
+        self._done = True
+        self._thread.join()

@@ -12,7 +12,7 @@
 # would fail here, not pass silently, and counts JAX's logged cache hits. JAX decides what it
 # caches: jax 0.10 skips executables with host callbacks, jax 0.11 and later store them.
 #
-# Usage: python benchmarks/bench_compile_cache.py [--rounds N] [--json]
+# Usage: `python benchmarks/bench_compile_cache.py --rounds 3 --json` (both optional)
 
 from __future__ import annotations
 
@@ -139,16 +139,21 @@ def format_results(summary: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="JAX's persistent compilation cache")
     parser.add_argument("--rounds", type=int, default=None, help="fresh processes per row")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv if argv is not None else _own_argv())
     start = time.perf_counter()
     summary = measure(args.rounds)
     print(json.dumps(summary, indent=2) if args.json else format_results(summary))
     print(f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
     return 0
+
+
+def _own_argv() -> list[str]:
+    """The command line when run as a script; none when benchmarks/run.py calls main()."""
+    return sys.argv[1:] if __name__ == "__main__" else []
 
 
 if __name__ == "__main__":

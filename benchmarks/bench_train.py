@@ -165,7 +165,7 @@ def measure() -> list[Table]:
 
 
 _MEMORY_SCRIPT = """
-import ctypes, sys, threading, time
+import sys
 sys.path.insert(0, {here!r})
 import jax, bench_train as b
 b.BATCH = b.MEMORY_BATCH
@@ -181,27 +181,14 @@ if {side!r} == "jax":
 else:
     step = b._torch_step(model)
     run = lambda: step(x_t, y_t)
-class Info(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = Info
-def in_use():
-    info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd  # heap chunks in use + mmapped chunks
+from _timing import PeakInUse, malloc_in_use
 run(); run()  # compile and warm up: what follows is a step's own memory
 model.zero_grad(set_to_none=True)  # torch's resting state between steps
-base, peak, done = in_use(), [0], []
-def sample():
-    while not done:
-        peak[0] = max(peak[0], in_use())
-        time.sleep(0.0002)
-t = threading.Thread(target=sample); t.start()
-for _ in range(30):
-    run()
-done.append(1); t.join()
-print((peak[0] - base) / 2**20)
+base = malloc_in_use()
+with PeakInUse() as p:
+    for _ in range(30):
+        run()
+print((p.peak - base) / 2**20)
 """
 
 

@@ -53,6 +53,7 @@ SUITES = {
     "grad": "`jax.grad` and `jax.jvp` through a wrapped function",
     "hessian": "`jax.hessian` through a wrapped function",
     "train": "A training step, against torch's own",
+    "gpt2": "A GPT-2 training step, against torch's fastest: time and memory",
     "module": "`module_to_jax` overhead",
     "concurrent": "Concurrent `module_to_jax` calls: `shard_map` over 4 devices",
     "to_torch": "`to_torch` overhead",

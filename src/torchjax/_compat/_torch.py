@@ -107,6 +107,29 @@ def functorch_transforms_active() -> bool:
     return True if _transforms_active is ABSENT else _transforms_active()
 
 
+# What autograd.Function.apply does outside torch.func transforms, without its per-call
+# inspect.signature bind (about as slow as the rest of a small to_torch call): drop dead
+# functorch wrappers, then the C++ entry point. None where either is missing.
+_unwrap_dead = private(
+    "torch._functorch.utils.unwrap_dead_wrappers",
+    fallback="to_torch's autograd.Function binds its arguments with inspect.signature (slower)",
+)
+_base_apply = private(
+    "torch._C._FunctionBase.apply",
+    fallback="to_torch's autograd.Function binds its arguments with inspect.signature (slower)",
+)
+
+
+def _plain_function_apply(cls: type, args: tuple) -> Any:
+    """``cls.apply(*args)`` for an autograd.Function whose forward has no default arguments,
+    while no torch.func transform is active (the caller checks)."""
+    # super() past Function: _FunctionBase.apply, the C++ entry point Function.apply calls.
+    return super(torch.autograd.Function, cls).apply(*_unwrap_dead(args))
+
+
+plain_function_apply = None if ABSENT in (_unwrap_dead, _base_apply) else _plain_function_apply
+
+
 private(
     "torch.autograd.forward_ad._current_level",
     fallback="torch calls from to_torch always go through autograd.Function (slower)",

@@ -18,7 +18,11 @@ import jax
 import numpy as np
 import torch
 
-from torchjax._compat._torch import forward_ad_active, functorch_transforms_active
+from torchjax._compat._torch import (
+    forward_ad_active,
+    functorch_transforms_active,
+    plain_function_apply,
+)
 from torchjax._convert import canonical_jax_dtype
 from torchjax._errors import ArgumentError, ConversionError, JaxOutputError, StaticArgumentError
 from torchjax._to_torch._spec import Spec, run_spec
@@ -81,6 +85,14 @@ def _thaw(tree: Any) -> Any:
 
 class _JaxFunction(torch.autograd.Function):
     """Runs a `Spec` on tensors; its rules call derived specs through this same class."""
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:  # type: ignore[override]
+        """Function.apply, skipping its per-call inspect.signature where it can: forward
+        has no defaults to bind, and outside torch.func transforms nothing else differs."""
+        if plain_function_apply is not None and not functorch_transforms_active():
+            return plain_function_apply(cls, args)
+        return super().apply(*args)
 
     @staticmethod
     def forward(spec: Spec, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
