@@ -180,3 +180,15 @@ def test_a_reference_kept_outside_the_slots_raises_instead_of_reading_no_data(ji
     call = jax.jit(apply) if jit else apply
     with pytest.raises(VariablesError, match="outside a call's slots"):
         jax.block_until_ready(call(variables, jnp.ones((2, 3))))
+
+
+def test_a_move_that_cannot_convert_leaves_the_module_whole():
+    module = net().eval()
+    module.register_buffer("odd", torch.zeros(2, dtype=torch.complex32))  # no JAX dtype
+    before = {n: t.clone() for n, t in module.state_dict().items()}
+    with pytest.raises(torchjax.errors.ConversionError, match="complex32"):
+        torchjax.module_to_jax(module, copy="move")
+    for name, t in module.state_dict().items():
+        same = t.view(torch.uint8) if name == "odd" else t  # torch cannot compare complex32
+        was = before[name].view(torch.uint8) if name == "odd" else before[name]
+        assert not t.is_meta and torch.equal(same, was), name

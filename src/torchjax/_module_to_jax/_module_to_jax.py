@@ -315,9 +315,9 @@ def module_to_jax(
         variables) as ShapeDtypeStructs. Without it they are found on fake tensors.
       copy: ``True`` (default): ``variables`` are copies, made once now, so training the
         torch module later never changes them. ``"move"``: the module's tensors become
-        ``variables`` without a copy, and the module is left holding meta tensors (no
-        memory; running it in torch then fails), so one set of weights exists, and torch
-        has nothing left to write through. A tensor also held outside the module (an
+        ``variables`` without a copy, and the module is left holding tensors without data
+        (computing with them raises a VariablesError), so one set of weights exists, and
+        torch has nothing left to write through. A tensor also held outside the module (an
         optimizer made before, a view) is copied instead, with a ``CopyWarning``.
         ``torchjax.tree_to_torch(variables)`` and ``load_state_dict(..., assign=True)``
         put weights back into the module. ``False``: variables share memory with the
@@ -375,8 +375,8 @@ def module_to_jax(
     if not (isinstance(copy, bool) or (isinstance(copy, str) and copy == "move")):
         raise ArgumentError(
             f"module_to_jax: copy={copy!r} is not one of its choices: True (variables are "
-            f"copies), 'move' (the module's tensors become variables, the module keeps meta "
-            f"tensors) or False (variables share the module's memory)."
+            f"copies), 'move' (the module's tensors become variables, the module keeps tensors "
+            f"without data) or False (variables share the module's memory)."
         )
     impl = _Apply(module, options, result_shape_dtypes)
     state = impl.state

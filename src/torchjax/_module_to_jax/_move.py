@@ -1,5 +1,5 @@
 # module_to_jax(module, copy="move"): the module's tensors become `variables` without a copy,
-# and the module is left holding meta placeholders.
+# and the module is left holding placeholders without data.
 #
 # copy=True keeps two full sets of weights alive (the module's and the JAX copy), which for
 # a large model is the difference between fitting in memory and not; copy=False shares the
@@ -39,9 +39,12 @@ the JAX side, e.g. optax, or on torchjax.tree_to_torch(variables) afterwards).""
 def move_out(module: torch.nn.Module, groups: dict[str, dict[str, torch.Tensor]]) -> dict:
     """`groups` ({"params": {name: tensor}, "buffers": ...}, the module's named tensors,
     each once) as JAX arrays sharing their memory; every slot of `module` and its submodules
-    then holds a meta tensor of the same type, shape and dtype (tied slots one tensor), and
-    so does each entry of `groups`."""
+    then holds a placeholder of the same type, shape and dtype (tied slots one), and so does
+    each entry of `groups`. Raises before touching the module if a tensor cannot become a
+    JAX array, so a failed move loses nothing."""
     kind = type(module).__name__
+    for tensors in groups.values():  # a dry run: mostly zero-copy, dropped at once
+        tree_to_jax({name: t.detach() for name, t in tensors.items()})
     placeholders: dict[int, torch.Tensor] = {}
     for group, tensors in groups.items():
         for name, t in tensors.items():
