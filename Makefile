@@ -2,6 +2,9 @@
 # `make docs` builds the documentation site (mkdocs.yml) into site/, every warning an error;
 # `make dist` builds and checks the wheel and sdist and runs the quickstart from the wheel;
 # `make typecheck` runs mypy on the public API as user code sees it and on examples/.
+# `make gpu-check` checks the GPU path on a GPU machine in its own venv (.venv-gpu, from
+# requirements-gpu.txt); without a GPU it says so and exits 0. `make gpu-requirements` checks
+# that requirements-gpu.txt resolves to one CUDA stack (pip --dry-run; CI runs it).
 # `make test-matrix` runs the core tests on the oldest and newest supported versions, each in
 # a throwaway venv outside the repo (tools/matrix.py, docs/install.md).
 PYTHON ?= python3
@@ -9,7 +12,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-matrix lint typecheck docs dist bench conformance clean
+.PHONY: demo test test-matrix lint typecheck docs dist bench conformance gpu-check gpu-requirements clean
 
 $(STAMP): requirements-dev.txt requirements-thirdparty.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +45,12 @@ dist: $(STAMP)
 test-matrix:
 	$(PYTHON) tools/matrix.py
 
+gpu-check:
+	$(PYTHON) tools/gpu_check.py
+
+gpu-requirements:
+	$(PYTHON) tools/check_gpu_requirements.py
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 
@@ -49,4 +58,4 @@ conformance: $(STAMP)
 	$(BIN)/python tools/conformance.py
 
 clean:
-	rm -rf $(VENV) site dist build
+	rm -rf $(VENV) .venv-gpu site dist build

@@ -421,7 +421,27 @@ def render_doc(sections: dict[str, str], modules: dict[str, ModuleType], quick: 
             sections["sweep"].strip(),
             "",
         ]
-    return "\n".join(out)
+    return "\n".join(out + gpu_section())
+
+
+# A GPU run's table (`make gpu-check` writes build/gpu-check.md), committed here once measured.
+GPU_RESULTS = HERE / "gpu_results.md"
+
+
+def gpu_section() -> list[str]:
+    """The GPU section: the table of the last `make gpu-check`, or that there is none yet."""
+    out = ["## On a GPU", ""]
+    if GPU_RESULTS.exists():
+        return out + [GPU_RESULTS.read_text().strip(), ""]
+    return out + [
+        "**Still to be measured**: no GPU machine has been available to the project yet. On "
+        "one, `make gpu-check` installs requirements-gpu.txt into its own venv, runs the GPU "
+        "tests and the core suite on CUDA, and prints a table of torchjax against torch on "
+        "the same GPU (per call, vmap, grad, a training step; benchmarks/gpu_bench.py). It "
+        "writes the table to build/gpu-check.md: copy that to benchmarks/gpu_results.md and "
+        "regenerate this file.",
+        "",
+    ]
 
 
 def _parse_size(text: str) -> int:

@@ -8,12 +8,16 @@ that needs more slack passes `rtol`/`atol` and says why.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+
+# Whether the tests run with their data on the GPU (conftest.py: TORCHJAX_TEST_DEVICE).
+ON_GPU = os.environ.get("TORCHJAX_TEST_DEVICE", "cpu") == "cuda"
 
 # dtype -> (rtol, atol); integers and booleans compare exactly.
 TOLERANCES = {

@@ -1,8 +1,10 @@
-# Smoke test of benchmarks/compare.py: every section runs end to end and renders; no timing
+# Smoke tests of benchmarks/compare.py (every section runs end to end and renders), of
+# benchmarks/gpu_bench.py on the CPU and of `make gpu-check` without a GPU; no timing
 # is asserted. --quick makes each number a median of 2 short runs, tiny sizes keep the sweep
 # short, and the doc goes to a temporary folder, never to docs/.
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +45,33 @@ def test_compare_quick_runs_and_renders(tmp_path):
         assert heading in doc
     assert (tmp_path / "benchmark_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {p: p.stat().st_mtime_ns for p in (ROOT / "docs").iterdir()} == docs_before
+
+
+def test_gpu_bench_runs_on_the_cpu(tmp_path):
+    out = tmp_path / "table.md"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--device", "cpu"]
+        + ["--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = out.read_text()
+    for case in ("jit(to_jax(x + 1))", "jit(vmap(to_jax(mlp)))", "jit(grad(", "training step"):
+        assert case in table
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi")
+def test_gpu_check_without_a_gpu_says_so_and_passes():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no CUDA device on this machine" in proc.stdout
+    assert "== install" not in proc.stdout  # no step ran

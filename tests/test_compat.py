@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.core  # the version matrix runs this module
+# The version matrix runs this module; it is about the CPU (CPU private entry points).
+pytestmark = [pytest.mark.core, pytest.mark.cpu_only]
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "torchjax"
 

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 import torchjax
 from torchjax.errors import ConversionError
 
-pytestmark = pytest.mark.core  # the version matrix runs this module
+# The version matrix runs this module; it is about the CPU (numpy and host-memory aliasing).
+pytestmark = [pytest.mark.core, pytest.mark.cpu_only]
 
 BF16 = np.dtype(jnp.bfloat16)
 

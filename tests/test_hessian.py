@@ -75,8 +75,8 @@ def test_third_order():
 def test_hessian_vector_product_of_a_small_nn():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
-    w1, b1 = (jnp.asarray(t.detach().numpy()) for t in (net[0].weight, net[0].bias))
-    w2, b2 = (jnp.asarray(t.detach().numpy()) for t in (net[2].weight, net[2].bias))
+    w1, b1 = (jnp.asarray(t.detach().cpu().numpy()) for t in (net[0].weight, net[0].bias))
+    w2, b2 = (jnp.asarray(t.detach().cpu().numpy()) for t in (net[2].weight, net[2].bias))
     f = torchjax.to_jax(lambda x: net(x).sum())
     fj = lambda x: (jnp.tanh(x @ w1.T + b1) @ w2.T + b2).sum()
     x = jnp.array([[0.5, -0.2, 0.1], [1.0, 0.3, -0.8]])

@@ -59,16 +59,18 @@ def test_move_shares_memory_and_computes_as_the_module_did():
     for name, address in addresses.items():
         assert variables["params"][name].unsafe_buffer_pointer() == address, name
     np.testing.assert_allclose(
-        apply(variables, X), reference(torch.from_numpy(X)).detach().numpy(), rtol=1e-6
+        apply(variables, X), reference(torch.as_tensor(X)).detach().cpu().numpy(), rtol=1e-6
     )
     loss = lambda p, x: jnp.sum(apply({"params": p, "buffers": variables["buffers"]}, x) ** 2)
     grads = jax.jit(jax.grad(loss))(variables["params"], X)
-    torch_loss = torch.sum(reference(torch.from_numpy(X)) ** 2)
+    torch_loss = torch.sum(reference(torch.as_tensor(X)) ** 2)
     names, params = zip(*reference.named_parameters(), strict=True)
     for name, g in zip(names, torch.autograd.grad(torch_loss, params), strict=True):
-        np.testing.assert_allclose(grads[name], g.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(grads[name], g.cpu().numpy(), rtol=1e-5, atol=1e-6)
     per_row = jax.vmap(lambda x: apply(variables, x[None])[0])(X)
-    np.testing.assert_allclose(per_row, reference(torch.from_numpy(X)).detach().numpy(), rtol=1e-5)
+    np.testing.assert_allclose(
+        per_row, reference(torch.as_tensor(X)).detach().cpu().numpy(), rtol=1e-5
+    )
 
 
 def test_the_module_keeps_only_types_and_raises_when_torch_computes_with_it():
@@ -100,7 +102,7 @@ def test_tied_weights_move_once_and_stay_tied():
     assert module.out.weight is module.embed.weight
     ids = np.array([[1, 2, 3], [4, 5, 9]])
     np.testing.assert_allclose(
-        apply(variables, ids), reference(torch.from_numpy(ids)).detach().numpy(), rtol=1e-6
+        apply(variables, ids), reference(torch.as_tensor(ids)).detach().cpu().numpy(), rtol=1e-6
     )
 
 
@@ -110,7 +112,7 @@ def test_weights_go_back_with_load_state_dict_assign():
     _, variables = _moved(module)
     state = torchjax.tree_to_torch({**variables["params"], **variables["buffers"]})
     module.load_state_dict(state, assign=True)
-    x = torch.from_numpy(X)
+    x = torch.as_tensor(X)
     torch.testing.assert_close(module(x), reference(x))
 
 
@@ -136,10 +138,10 @@ def test_training_mode_buffer_writes_never_reach_the_moved_memory():
     before = jax.tree.map(np.array, variables)
     out, new_buffers = apply(variables, X, mutable=True)
     reference = net().train()
-    expected = reference(torch.from_numpy(X))
-    np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-5, atol=1e-6)
+    expected = reference(torch.as_tensor(X))
+    np.testing.assert_allclose(out, expected.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(
-        new_buffers["1.running_mean"], reference[1].running_mean.numpy(), rtol=1e-6
+        new_buffers["1.running_mean"], reference[1].running_mean.cpu().numpy(), rtol=1e-6
     )
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.array, variables), before)
 
@@ -150,7 +152,7 @@ def test_apply_of_a_moved_module_pickles():
     apply, variables = _moved(module)
     again = pickle.loads(pickle.dumps(apply))
     np.testing.assert_allclose(
-        again(variables, X), reference(torch.from_numpy(X)).detach().numpy(), rtol=1e-6
+        again(variables, X), reference(torch.as_tensor(X)).detach().cpu().numpy(), rtol=1e-6
     )
 
 

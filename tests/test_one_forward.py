@@ -275,7 +275,7 @@ def test_kept_graph_with_sparse_intermediates(jit):
     want = fn(xt)
     want.backward()
     np.testing.assert_allclose(val, want.item(), rtol=1e-6)
-    np.testing.assert_allclose(grad, xt.grad.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(grad, xt.grad.cpu().numpy(), rtol=1e-6)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
@@ -319,4 +319,4 @@ def test_a_function_that_keeps_its_input_still_reads_the_call_values():
     w = jnp.linspace(-1.0, 1.0, 8).reshape(4, 2)
     f(w, X)
     jax.block_until_ready(f(w * 2, X))
-    np.testing.assert_allclose(kept[-1].detach().numpy(), np.asarray(w * 2), rtol=1e-6)
+    np.testing.assert_allclose(kept[-1].detach().cpu().numpy(), np.asarray(w * 2), rtol=1e-6)

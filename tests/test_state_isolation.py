@@ -122,7 +122,7 @@ def test_checkpointed_backward_sees_the_calls_weights(mode):
     torch_net.load_state_dict({k: torch.tensor(np.asarray(v)) for k, v in params.items()})
     torch.sin(torch_net(torch.tensor(np.asarray(X)))).sum().backward()
     for name, p in torch_net.named_parameters():
-        np.testing.assert_allclose(got[name], p.grad.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got[name], p.grad.cpu().numpy(), rtol=1e-5, atol=1e-6)
     _unchanged(net, before)
 
 
@@ -157,7 +157,7 @@ def test_attributes_a_call_sets_are_not_seen_by_later_calls(mode):
         first = f(variables, x)
     for _ in range(3):  # each call is the first call of a fresh module
         out = f(variables, x)
-        want = copy.deepcopy(pristine)(torch.tensor(np.asarray(x))).detach().numpy()
+        want = copy.deepcopy(pristine)(torch.tensor(np.asarray(x))).detach().cpu().numpy()
         np.testing.assert_allclose(out, want, rtol=1e-6)
     np.testing.assert_array_equal(first, out)
     assert net.calls == 0 and net.table is None  # the user's module never ran
@@ -174,7 +174,7 @@ def test_mutable_returns_the_reassigned_buffer():
     for _ in range(3):
         out, buffers = apply({"params": variables["params"], "buffers": buffers}, x, mutable=True)
         fresh = copy.deepcopy(reference)  # its Python counter starts from 0, as apply's does
-        want = fresh(torch.tensor(np.asarray(x))).detach().numpy()
+        want = fresh(torch.tensor(np.asarray(x))).detach().cpu().numpy()
         np.testing.assert_allclose(out, want, rtol=1e-6)
         reference.total = fresh.total  # the buffer carries over, as the variables do
     np.testing.assert_allclose(buffers["total"], 3 * np.asarray(x).sum(0))
@@ -211,7 +211,7 @@ def test_lru_cache_filled_by_the_function_holds_real_tensors(mode):
     want = np.cos(np.arange(5.0)) * (1.0 if mode == "grad" else np.asarray(x))
     np.testing.assert_allclose(out, want, rtol=1e-6)
     assert type(_cos_table(5)) is torch.Tensor  # in plain torch, afterwards, too
-    np.testing.assert_allclose(_cos_table(5).numpy(), np.cos(np.arange(5.0)), rtol=1e-6)
+    np.testing.assert_allclose(_cos_table(5).cpu().numpy(), np.cos(np.arange(5.0)), rtol=1e-6)
 
 
 class _LazyRotary(torch.nn.Module):
@@ -244,7 +244,7 @@ def test_lazily_built_attributes_of_a_closed_over_module(mode):
     # The real calls built them (for real); the fake run's were put back.
     for t in (rotary.cos_cached, rotary.pos):
         assert type(t) is torch.Tensor
-    plain = rotary(torch.ones(6)).detach().numpy()  # the module still works in plain torch
+    plain = rotary(torch.ones(6)).detach().cpu().numpy()  # the module still works in plain torch
     np.testing.assert_allclose(plain, 2 * np.cos(np.arange(6.0)) + np.arange(6.0), rtol=1e-6)
 
 
@@ -259,7 +259,7 @@ def test_list_a_function_appends_its_input_to_keeps_only_real_tensors():
     f(jnp.ones(3))
     f(jnp.full(3, 2.0))
     assert [type(t) for t in kept] == [torch.Tensor, torch.Tensor]
-    np.testing.assert_array_equal(kept[-1].numpy(), [2.0, 2.0, 2.0])
+    np.testing.assert_array_equal(kept[-1].cpu().numpy(), [2.0, 2.0, 2.0])
 
 
 class _Box:
@@ -321,12 +321,12 @@ def test_parametrize_cached_around_a_call(mode):
         doubled = copy.deepcopy(lin)
         for p in doubled.parameters():
             p.mul_(2)
-        want, want_other = lin(x_t).numpy(), doubled(x_t).numpy()
+        want, want_other = lin(x_t).cpu().numpy(), doubled(x_t).cpu().numpy()
     with parametrize.cached(), torch.no_grad():
-        mine = lin(x_t).numpy()  # the module caches its own weight under its key
+        mine = lin(x_t).cpu().numpy()  # the module caches its own weight under its key
         out = np.asarray(f(variables, x))
         out_other = np.asarray(f(other, x))  # neither reads what the other cached
-        mine_after = lin(x_t).numpy()
+        mine_after = lin(x_t).cpu().numpy()
     np.testing.assert_allclose(out, want, rtol=1e-6)
     np.testing.assert_allclose(out_other, want_other, rtol=1e-6)
     np.testing.assert_array_equal(mine, want)
@@ -366,7 +366,7 @@ def test_autograd_inside_the_forward(transform):
         w_t = torch.tensor(np.asarray(_W), requires_grad=True)
         forces = _forces(w_t, torch.tensor(np.asarray(_XF)))
         (want,) = torch.autograd.grad(forces, w_t, torch.tensor(np.asarray(ct)))
-        np.testing.assert_allclose(out, forces.detach().numpy(), rtol=1e-6)
+        np.testing.assert_allclose(out, forces.detach().cpu().numpy(), rtol=1e-6)
     elif transform == "hessian":
         got = jax.hessian(loss)(_W)
         want = torch.autograd.functional.hessian(_torch_loss, torch.tensor(np.asarray(_W)))
@@ -378,7 +378,7 @@ def test_autograd_inside_the_forward(transform):
             w_t = torch.tensor(np.asarray(w), requires_grad=True)
             rows.append(torch.autograd.grad(_torch_loss(w_t), w_t)[0])
         want = torch.stack(rows)
-    np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, want.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
     # The same by hand: forces are -w sin(2x), the loss' gradient 2 w sin(2x)^2.
     if transform in ("grad", "jit_grad"):
         np.testing.assert_allclose(got, 2 * _W * jnp.sin(2 * _XF) ** 2, rtol=1e-5)

@@ -48,9 +48,9 @@ def make_params(seed=0):
 
 def reference(params, x, activation="tanh"):
     out = torch_mlp(
-        torchjax.tree_to_torch(params), torch.from_numpy(np.array(x)), activation=activation
+        torchjax.tree_to_torch(params), torch.as_tensor(np.array(x)), activation=activation
     )
-    return {k: v.numpy() for k, v in out.items()}
+    return {k: v.cpu().numpy() for k, v in out.items()}
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])

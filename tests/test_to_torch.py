@@ -133,7 +133,7 @@ def test_noncontiguous_inputs():
     base = torch.arange(12.0).reshape(3, 4)
     a, b = base.t(), base[:, 0].expand(4, 3)  # transposed; stride-0 broadcast
     assert not a.is_contiguous() and not b.is_contiguous()
-    close(to_torch(lambda a, b: a * 2 + b)(a, b), (a * 2 + b).numpy())
+    close(to_torch(lambda a, b: a * 2 + b)(a, b), (a * 2 + b).cpu().numpy())
 
 
 def test_float64_with_x64_off_narrows_and_grads_keep_dtype():
@@ -143,7 +143,7 @@ def test_float64_with_x64_off_narrows_and_grads_keep_dtype():
     assert y.dtype == torch.float32  # JAX's dtype with x64 off
     y.sum().backward()
     assert x.grad.dtype == torch.float64
-    close(x.grad, torch.cos(x.detach()).numpy())
+    close(x.grad, torch.cos(x.detach()).cpu().numpy())
 
 
 # ---------------------------------------------------------------- reverse mode
@@ -160,7 +160,7 @@ def test_backward_matches_torch_autograd():
     h = torch.tanh(x @ ref["w"] + ref["b"])
     ((h**2).sum() + 2 * torch.sin(h).sum()).backward()
     for k in params:
-        close(params[k].grad, ref[k].grad.numpy())
+        close(params[k].grad, ref[k].grad.cpu().numpy())
 
 
 def test_gradcheck_and_gradgradcheck_float64():
@@ -211,7 +211,7 @@ def test_backward_only_for_inputs_that_need_it(monkeypatch):
     a, b = torch.randn(3, requires_grad=True), torch.randn(3)
     to_torch(lambda a, b: a * b)(a, b).sum().backward()
     assert wrts == [(0,)]
-    close(a.grad, b.numpy())
+    close(a.grad, b.cpu().numpy())
 
 
 def test_torch_func_grad_vjp_jacrev_hessian_match_jax():
@@ -220,7 +220,7 @@ def test_torch_func_grad_vjp_jacrev_hessian_match_jax():
 
     g = to_torch(f)
     x = torch.linspace(-1, 1, 4)
-    xj = jnp.asarray(x.numpy())
+    xj = jnp.asarray(x.cpu().numpy())
     close(torch.func.grad(g)(x), jax.grad(f)(xj))
     close(torch.func.hessian(g)(x), jax.hessian(f)(xj))
     close(torch.func.jacrev(torch.func.jacrev(g))(x), jax.hessian(f)(xj))
@@ -239,7 +239,7 @@ def test_torch_func_jvp_and_jacfwd_match_jax():
     x, y = torch.linspace(-1, 1, 3), torch.linspace(2, 3, 3)
     tx, ty = torch.ones(3), torch.arange(3.0)
     primal, tangent = torch.func.jvp(g, (x, y), (tx, ty))
-    args = tuple(jnp.asarray(t.numpy()) for t in (x, y, tx, ty))
+    args = tuple(jnp.asarray(t.cpu().numpy()) for t in (x, y, tx, ty))
     jp, jt = jax.jvp(f, args[:2], args[2:])
     for a, b in zip((*primal, *tangent), (*jp, *jt), strict=True):
         close(a, b)
@@ -259,7 +259,7 @@ def test_forward_ad_with_int_outputs():
     with fwAD.dual_level():
         outs = to_torch(lambda x: (x**2, jnp.argmax(x)))(fwAD.make_dual(x, torch.ones(3)))
         tangents = [fwAD.unpack_dual(o).tangent for o in outs]
-    close(tangents[0], 2 * x.numpy())
+    close(tangents[0], 2 * x.cpu().numpy())
     assert tangents[1] is None
 
 
@@ -274,7 +274,9 @@ def test_vmap_is_one_batched_jax_call(spy_runs):
     xs, w = torch.randn(6, 3), torch.randn(3, 2)
     ys, idx = torch.func.vmap(g, in_dims=(0, None))(xs, w)
     assert spy_runs == ["vmap(to_torch(test_vmap_is_one_batched_jax_call.<locals>.f))"]
-    wy, widx = jax.vmap(f, in_axes=(0, None))(jnp.asarray(xs.numpy()), jnp.asarray(w.numpy()))
+    wy, widx = jax.vmap(f, in_axes=(0, None))(
+        jnp.asarray(xs.cpu().numpy()), jnp.asarray(w.cpu().numpy())
+    )
     close(ys, wy)
     np.testing.assert_array_equal(np_(idx), np.asarray(widx))
 
@@ -285,7 +287,7 @@ def test_vmap_in_dims_nesting_and_grad_compositions():
 
     g = to_torch(f)
     xs, ys = torch.randn(3, 4, 5), torch.randn(5, 4)
-    xj, yj = jnp.asarray(xs.numpy()), jnp.asarray(ys.numpy())
+    xj, yj = jnp.asarray(xs.cpu().numpy()), jnp.asarray(ys.cpu().numpy())
     inner = torch.func.vmap(g, in_dims=(0, 1))  # over 4
     close(
         torch.func.vmap(inner, in_dims=(0, None))(xs, ys),
@@ -369,7 +371,7 @@ def test_torch_compile_no_graph_break():
         x_ref = x.detach().clone().requires_grad_()
         model(x_ref).backward()
         close(out.detach(), model(x).detach())
-        close(x.grad, x_ref.grad.numpy())
+        close(x.grad, x_ref.grad.cpu().numpy())
 
 
 def test_torch_compile_dict_output_falls_back_correctly():

@@ -43,7 +43,7 @@ def _batched(x: torch.Tensor) -> bool:
 
 
 def _t(x: Any) -> torch.Tensor:
-    return torch.from_numpy(np.array(x))
+    return torch.as_tensor(np.array(x))
 
 
 def _eqns(jaxpr: Any, name: str = "torch_call") -> list:
@@ -93,7 +93,7 @@ def test_nested_vmap_of_dict_function_is_one_torch_vmap_call():
             for i in range(3)
         ]
     )
-    tree_close(out, expected.numpy())
+    tree_close(out, expected.cpu().numpy())
     # One real call, on per-example views of BatchedTensors: torch.func.vmap did the work.
     assert len(rec.calls) == 1
     assert rec.calls[0] == (((5,), True), ((5,), True))
@@ -282,7 +282,7 @@ def test_sequential_runs_data_dependent_code_one_call_per_example():
     f = torchjax.to_jax(rec, result_shape_dtypes=lambda x: x, vmap_method="sequential")
     x = jnp.array([[1.0, 2.0], [-3.0, 1.0], [0.5, -0.1]])
     out = jax.vmap(f)(x)
-    tree_close(out, np.stack([_data_dependent(_t(r)).numpy() for r in x]))
+    tree_close(out, np.stack([_data_dependent(_t(r)).cpu().numpy() for r in x]))
     assert rec.calls == [(((2,), False),)] * 3
     rec.calls.clear()
     tree_close(jax.jit(jax.vmap(f))(x), out)

@@ -202,7 +202,12 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value", device: Any = None) -> 
         check_has_data(t, where)
     if not t.is_contiguous():
         t = t.contiguous()
-    # Off the CPU, jax.dlpack negotiates the stream hand-over; its overhead is small there.
+    # Off the CPU, jax.dlpack negotiates the stream hand-over (JAX's stream waits for torch's
+    # current one); its overhead is small there. torch's export reads the current CUDA
+    # device for both the check and the stream, so it runs on the tensor's own device.
+    if t.is_cuda:
+        with torch.cuda.device(t.device):
+            return jax.dlpack.from_dlpack(t)
     return jax.dlpack.from_dlpack(t)
 
 

@@ -29,6 +29,7 @@ from torchjax._compat._torch import is_fake, is_zerotensor, set_grad_enabled, te
 from torchjax._convert import canonical_torch_dtype, check_has_data, tensor_to_jax, torch_dtype
 from torchjax._errors import ConversionError, CopyWarning, OutputMismatchError, TorchJaxError
 from torchjax._primitive._params import ARRAY, is_operand
+from torchjax._to_jax._cuda import gpu_oom_note
 from torchjax._to_jax._guard import (
     check_versions,
     inplace_error,
@@ -184,6 +185,10 @@ class CallPlan:
 
     def _explain(self, error: Exception, tensors: list) -> None:
         """Notes on the user's own exception, where torchjax knows more of the cause."""
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            note = gpu_oom_note(jax.devices())
+            if note is not None:
+                error.add_note(note)
         if wants_int64(error) and not jax.config.jax_enable_x64:
             if any(t.dtype == torch.int32 for t in tensors):
                 error.add_note(INT32_NOTE)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from torchjax._compat._torch import DisableFuncTorch, is_view, storage_id, tensor_use_count
+from torchjax._to_jax._cuda import forward_stream, ordered_with
 
 _getrefcount = sys.getrefcount
 
@@ -67,7 +68,16 @@ class KeptGraph:
     inputs its saved tensors refer to (the forward's during the forward, then filled in by
     the VJP before the backward), and the state the forward left held (`HeldState`)."""
 
-    __slots__ = ("leaves", "outputs", "nbytes", "inputs", "refill", "held", "__weakref__")
+    __slots__ = (
+        "leaves",
+        "outputs",
+        "nbytes",
+        "inputs",
+        "refill",
+        "held",
+        "stream",
+        "__weakref__",
+    )
 
     def __init__(self) -> None:
         self.leaves: list[torch.Tensor] = []
@@ -76,6 +86,7 @@ class KeptGraph:
         self.inputs: list[torch.Tensor] = []
         self.refill: list[int | None] = []  # per leaf: the input to refill it from
         self.held: list[HeldState] = []
+        self.stream: Any = None  # the forward's CUDA stream (None off the GPU)
 
     def keep_held(self, held: list[HeldState], inputs: list[torch.Tensor]) -> None:
         """Take over what the forward left held, until the backward (or this graph's end)."""
@@ -99,19 +110,22 @@ class KeptGraph:
         pairs = [(o, c) for o, c in zip(outs, cotangents, strict=True) if o is not None]
         pairs = [(o, c) for o, c in pairs if o.requires_grad]  # others do not depend on leaves
         self.reinstall_held()
-        try:
-            if not pairs:
-                return tuple(torch.zeros_like(x) for x in self.leaves)
-            return torch.autograd.grad(
-                [o for o, _ in pairs],
-                self.leaves,
-                [c for _, c in pairs],
-                allow_unused=True,
-                materialize_grads=True,
-            )
-        finally:
-            self.release_held()
-            self.inputs = self.outputs = self.leaves = []
+        # On the GPU a backward on another stream than the forward's (eager after jitted,
+        # or the reverse) is ordered both ways with it, before the graph's tensors are freed.
+        with ordered_with(self.stream):
+            try:
+                if not pairs:
+                    return tuple(torch.zeros_like(x) for x in self.leaves)
+                return torch.autograd.grad(
+                    [o for o, _ in pairs],
+                    self.leaves,
+                    [c for _, c in pairs],
+                    allow_unused=True,
+                    materialize_grads=True,
+                )
+            finally:
+                self.release_held()
+                self.inputs = self.outputs = self.leaves = []
 
     def release_held(self) -> None:
         held, self.held = self.held, []
@@ -292,6 +306,7 @@ def recording(graph: KeptGraph, inputs: list[torch.Tensor]) -> Iterator[None]:
     # Autograd run inside the forward (forces from an energy, gradient penalties) unpacks
     # saved tensors there: they refer to the forward's own inputs until it ends.
     graph.inputs = inputs
+    graph.stream = forward_stream(inputs)
     # The hooks live as long as the autograd graph, which the KeptGraph holds: a strong
     # reference back would be a cycle through C++ that Python's collector cannot see.
     kept = weakref.ref(graph)

@@ -90,7 +90,13 @@ def impl(operands: tuple, *, in_tree: Any, statics: tuple, signature: Any, param
         if type(x) is ArrayImpl and array_committed(x):
             device = _committed_device(operands, plan)
             break
-    return to_jax_outputs(plan(_tensors(operands, plan)), plan.out_paths, device)
+    tensors = _tensors(operands, plan)
+    if tensors and tensors[0].is_cuda:
+        # On the inputs' GPU, as under jit: torch code that makes tensors on "cuda" puts
+        # them beside its inputs, and the outputs' export reads the current device.
+        with torch.cuda.device(tensors[0].device):
+            return to_jax_outputs(plan(tensors), plan.out_paths, device)
+    return to_jax_outputs(plan(tensors), plan.out_paths, device)
 
 
 def _tensors(operands: Any, plan: CallPlan) -> list[torch.Tensor]:
@@ -171,6 +177,14 @@ def real_run(operands: list, in_tree: Any, statics: tuple, params: tuple, memo: 
             device = _committed_device(operands, plan)
             break
     tensors = _tensors(operands, plan)
+    if tensors and tensors[0].is_cuda:  # on the inputs' GPU, as in impl
+        with torch.cuda.device(tensors[0].device):
+            return _run_untyped(plan, typed, tensors, device, memo, in_tree, statics)
+    return _run_untyped(plan, typed, tensors, device, memo, in_tree, statics)
+
+
+def _run_untyped(plan, typed, tensors, device, memo, in_tree, statics) -> Any:
+    """real_run's call on the converted inputs."""
     if typed is not None:
         results = typed.run(tensors, strict=False)
         if type(results) is list:

@@ -5,7 +5,8 @@
 # Inputs are wrapped zero-copy with DLPack; torch computes the outputs and each is copied
 # once into XLA's output buffer (torch allocates its results itself, so that copy is the
 # one unavoidable one). On GPU torch runs on XLA's stream (ctx.stream), so the work is
-# ordered after XLA's producers and before its consumers with no device-wide synchronize.
+# ordered after XLA's producers and before its consumers with no device-wide synchronize,
+# and an event each way orders it with torch's own current stream (_cuda.py).
 # Where buffer_callback is missing (JAX < 0.6.1) jax.pure_callback is the fallback: it
 # copies inputs and outputs through host numpy arrays.
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torchjax._convert import (
     torch_dtype,
 )
 from torchjax._to_jax._call_plan import plan_for, plan_parts
+from torchjax._to_jax._cuda import on_xla_stream
 from torchjax._to_jax._guard import copy_kept_inputs
 
 try:
@@ -64,9 +66,9 @@ def write_output(dst: torch.Tensor, value: torch.Tensor, where: str) -> None:
 
 def _xla_stream(ctx: Any, buf: Any) -> contextlib.AbstractContextManager:
     """Make XLA's stream torch's current stream: torch's kernels then run in XLA's order,
-    after the producers of the inputs and before the consumers of the outputs."""
-    device = torch.device("cuda", buf.__dlpack_device__()[1])
-    return torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream, device=device))
+    after the producers of the inputs and before the consumers of the outputs, and in
+    order with the work queued on torch's own current stream (see _cuda.py)."""
+    return on_xla_stream(ctx.stream, buf.__dlpack_device__()[1])
 
 
 def callback_call(
@@ -92,7 +94,7 @@ def callback_call(
             on_cpu = (ins or outs)[0].__dlpack_device__()[0] == _DL_CPU
         if not on_cpu:
             with _xla_stream(ctx, (ins or outs)[0]):
-                _run_into(run, ins, outs, out_paths, torch.from_dlpack)
+                _run_into(run, ins, outs, out_paths, _buffer_tensor)
             return
         # The CPU path, inlined: this runs on every call of a jitted function.
         tensors = [tensor_from_capsule(b.__dlpack__()) for b in ins]
@@ -117,6 +119,12 @@ def callback_call(
                 break
 
     return buffer_callback(host, list(out_structs))(*operands)
+
+
+def _buffer_tensor(buf: Any) -> torch.Tensor:
+    """One of XLA's buffers as a tensor, zero-copy. No stream goes to its __dlpack__: the
+    buffer is ready on XLA's stream, which the callback's torch work runs on."""
+    return tensor_from_capsule(buf.__dlpack__())
 
 
 def _notes_in_message(run: Run) -> Run:
