@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import as_numpy
+from torch._subclasses.fake_tensor import FakeTensor
 
 import torchjax
 from torchjax._to_jax._cuda import gpu_oom_note
@@ -77,7 +78,8 @@ def test_torch_work_after_the_call_sees_what_the_call_wrote():
         cache.copy_(x * 3)  # the function's own state, written on XLA's stream
         return x.sum()
 
-    f = jax.jit(torchjax.to_jax(fill))
+    # Declared outputs: no fake run of a function that writes its own state.
+    f = jax.jit(torchjax.to_jax(fill, result_shape_dtypes=jax.ShapeDtypeStruct((), jnp.float32)))
     x = _on(GPUS[0], jnp.ones(N))
     f(x)  # compiled and run once
     f(x * 2)  # queued: nothing waits for it on the host
@@ -91,12 +93,11 @@ def test_zero_copy_on_the_gpu():
     seen = {}
 
     def f(x):
-        if not isinstance(x, torch._subclasses.FakeTensor):
-            seen["in"] = x.data_ptr()
-            out = torch.sin(x)
+        out = torch.sin(x)
+        if not isinstance(x, FakeTensor):
+            seen["in"] = x.const_data_ptr()  # data_ptr() asks for write access: refused
             seen["out"] = out.data_ptr()
-            return out
-        return torch.sin(x)
+        return out
 
     x = _on(GPUS[0], jnp.linspace(0.0, 1.0, N))
     eager = torchjax.to_jax(f)(x)
@@ -135,6 +136,12 @@ def test_eager_and_jitted_calls_on_the_second_gpu():
     wt.requires_grad_(True)
     torch.tanh(xt @ wt).sum().backward()
     np.testing.assert_allclose(np.asarray(grad), as_numpy(wt.grad), rtol=1e-4, atol=1e-5)
+    # A tensor of the function's own on that GPU: the fake run (jit) must put its fake
+    # inputs there too, and abstract values carry no device: jax.default_device says it.
+    bias = torch.ones(16, device="cuda:1")
+    h = torchjax.to_jax(lambda x, w: torch.tanh(x @ w) + bias)
+    with jax.default_device(GPUS[1]):
+        np.testing.assert_allclose(np.asarray(jax.jit(h)(x, w)), want + 1, rtol=1e-4, atol=1e-5)
     # JAX inside torch, on the second GPU.
     back = torchjax.to_torch(lambda a: jnp.sin(a) * 2)(xt)
     assert back.device == torch.device("cuda", 1)
@@ -177,7 +184,7 @@ def test_kept_graph_used_after_mixing_eager_and_jitted_calls():
 @needs_gpu
 def test_forced_out_of_memory_says_what_to_set():
     def huge(x):
-        return x + torch.empty(1 << 48, device=x.device)  # 1 PiB of float32: never fits
+        return x + torch.empty(1 << 48, device=x.device).sum()  # 1 PiB of float32: never fits
 
     x = _on(GPUS[0], jnp.ones(4))
     for call in (torchjax.to_jax(huge), jax.jit(torchjax.to_jax(huge))):

@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         print("Run `make gpu-check` on a machine with an NVIDIA GPU and its driver.")
         return 0
     print("gpu-check: " + "; ".join(found))
-    python = find_python("3.12") or find_python("3.13")
+    python = next(filter(None, map(find_python, ("3.12", "3.13", "3.14"))), None)
     if python is None:
-        print("gpu-check: needs Python 3.12 or 3.13 (jax 0.12), and found neither.")
+        print("gpu-check: needs Python 3.12 or newer (jax 0.12), and found none.")
         return 1
     steps = Steps()
     py = str(VENV / "bin" / "python")

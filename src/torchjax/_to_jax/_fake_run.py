@@ -61,9 +61,20 @@ def function_name(fn: Any) -> str:
 
 
 def default_torch_device() -> torch.device:
-    """The torch device matching JAX's default device (where real calls will run)."""
-    platform = jax.devices()[0].platform
-    return torch.device("cuda") if platform in ("gpu", "cuda", "rocm") else torch.device("cpu")
+    """The torch device matching JAX's default device (where real calls will run): the one
+    `jax.default_device` or the `jax_default_device` option names, else JAX's first.
+
+    An abstract value carries no device, so a fake run on a GPU other than the default one
+    needs that option (or declared types) where the function mixes its inputs with tensors
+    of its own on that GPU."""
+    chosen = jax.config.jax_default_device
+    if isinstance(chosen, str):
+        chosen = jax.devices(chosen)[0]
+    device = chosen if chosen is not None else jax.devices()[0]
+    if device.platform not in ("gpu", "cuda", "rocm"):
+        return torch.device("cpu")
+    index = getattr(device, "local_hardware_id", None)
+    return torch.device("cuda", index) if isinstance(index, int) else torch.device("cuda")
 
 
 def _path_of(path: tuple) -> str:
