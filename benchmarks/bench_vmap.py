@@ -5,6 +5,12 @@
 # do) shows what the batching rule saves. The floor for any Python callback is a
 # hand-written buffer_callback that calls torch.func.vmap on XLA's buffers and copies the
 # result out: it is timed against native too, and to_jax against it.
+#
+# Per-example gradients: jax.jit(jax.vmap(jax.value_and_grad(loss))) and of jax.grad, the
+# parameters unbatched, against torch.func.vmap(torch.func.grad_and_value(loss)) and of
+# torch.func.grad. torchjax runs one batched forward that keeps its graph (the parameters
+# expanded to the batch with stride 0) and pulls every example back through it; the
+# gradients, one per example (256 x 68k floats), are then written into XLA's buffers.
 from __future__ import annotations
 
 import jax
@@ -61,6 +67,7 @@ def measure() -> list[Table]:
     )
     assert abs(jax.device_get(floor(params, xs)) - want).max() < 1e-4
 
+    grad_tables = _per_example_grads(params_t, xs_t, params, xs)
     base_name, base = "native torch.func.vmap", lambda: native(params_t, xs_t)
     floor_name = "hand-written buffer_callback of torch.func.vmap"
     mlp = f"MLP {D_IN}-{D_HIDDEN}-{D_OUT}"
@@ -88,6 +95,44 @@ def measure() -> list[Table]:
                     lambda: sequential(params, xs).block_until_ready(),
                     base_name,
                     base,
+                ),
+            ],
+        ),
+        *grad_tables,
+    ]
+
+
+def per_example_loss(params, x):  # {'w1': [256, 256], ...}, [256] -> []
+    return per_example_mlp(params, x).pow(2).sum()
+
+
+def _per_example_grads(params_t, xs_t, params, xs) -> list[Table]:
+    wrapped = torchjax.to_jax(per_example_loss)
+    value_and_grad = jax.jit(jax.vmap(jax.value_and_grad(wrapped), in_axes=(None, 0)))
+    grad = jax.jit(jax.vmap(jax.grad(wrapped), in_axes=(None, 0)))
+    native_vg = torch.func.vmap(torch.func.grad_and_value(per_example_loss), in_dims=(None, 0))
+    native_g = torch.func.vmap(torch.func.grad(per_example_loss), in_dims=(None, 0))
+    want_grads, want_values = native_vg(params_t, xs_t)
+    values, grads = value_and_grad(params, xs)
+    assert abs(jax.device_get(values) - want_values.numpy()).max() < 1e-3
+    for k, g in grad(params, xs).items():  # same numbers before timing them
+        assert abs(jax.device_get(g) - want_grads[k].numpy()).max() < 1e-4
+        assert abs(jax.device_get(grads[k]) - want_grads[k].numpy()).max() < 1e-4
+    return [
+        (
+            f"per-example gradients of {BATCH} examples, MLP {D_IN}-{D_HIDDEN}-{D_OUT}",
+            [
+                paired_row(
+                    "jit(vmap(value_and_grad(to_jax(loss))))",
+                    lambda: jax.block_until_ready(value_and_grad(params, xs)),
+                    "torch.func.vmap(grad_and_value)",
+                    lambda: native_vg(params_t, xs_t),
+                ),
+                paired_row(
+                    "jit(vmap(grad(to_jax(loss))))",
+                    lambda: jax.block_until_ready(grad(params, xs)),
+                    "torch.func.vmap(grad)",
+                    lambda: native_g(params_t, xs_t),
                 ),
             ],
         )

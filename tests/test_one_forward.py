@@ -320,3 +320,93 @@ def test_a_function_that_keeps_its_input_still_reads_the_call_values():
     f(w, X)
     jax.block_until_ready(f(w * 2, X))
     np.testing.assert_allclose(kept[-1].detach().cpu().numpy(), np.asarray(w * 2), rtol=1e-6)
+
+
+# ------------------------------------------- gradients written into XLA's output buffers
+
+
+def _copies_after_the_backward(monkeypatch) -> list:
+    """The outputs the jitted VJP's callback copies into XLA's buffers after the call."""
+    from torchjax._to_jax import _rule_lowering
+
+    copied = []
+    write = _rule_lowering.write_output
+    monkeypatch.setattr(
+        _rule_lowering, "write_output", lambda d, v, w: copied.append(w) or write(d, v, w)
+    )
+    return copied
+
+
+def _wide_loss(params, x):  # torch: {'w': [256, 256], 'b': [256]}, [4, 256] -> []
+    return torch.tanh(x @ params["w"] + params["b"]).pow(2).mean()
+
+
+WIDE = {"w": jnp.linspace(-0.05, 0.05, 256 * 256).reshape(256, 256), "b": jnp.ones(256)}
+X_WIDE = jnp.linspace(-1.0, 1.0, 4 * 256).reshape(4, 256)
+
+
+def test_jitted_gradients_go_into_xlas_buffers_as_torch_computes_them(monkeypatch):
+    # A large gradient (w: 65,536 elements) is written into its output buffer from a hook
+    # the moment torch has it, so torch's own is freed then: the step never holds two sets
+    # of gradients. A small one (b) is copied after the backward, as before: cheaper.
+    copied = _copies_after_the_backward(monkeypatch)
+    step = jax.jit(jax.value_and_grad(torchjax.to_jax(_wide_loss)))
+    value, grads = step(WIDE, X_WIDE)
+    assert len(copied) == 1  # b's; w's went in during the backward
+
+    def reference(params, x):
+        return (jnp.tanh(x @ params["w"] + params["b"]) ** 2).mean()
+
+    ref_value, ref_grads = jax.value_and_grad(reference)(WIDE, X_WIDE)
+    tree_close(value, ref_value)
+    tree_close(grads, ref_grads)
+
+
+def test_without_graph_task_ids_the_gradients_are_copied_after(monkeypatch):
+    # The control for the test above: with the hooks off, both gradients are copied.
+    from torchjax._to_jax import _residual
+
+    monkeypatch.setattr(_residual, "current_graph_task_id", None)
+    copied = _copies_after_the_backward(monkeypatch)
+    grads = jax.jit(jax.grad(torchjax.to_jax(_wide_loss)))(WIDE, X_WIDE)
+    assert len(copied) == 2
+    assert np.abs(np.asarray(grads["w"])).max() > 0
+
+
+class _VjpInsideBackward(torch.autograd.Function):
+    """tanh(x @ w) whose backward differentiates again through w itself, as an adjoint ODE
+    solver's backward does with the module's parameters."""
+
+    @staticmethod
+    def forward(x, w):
+        return torch.tanh(x @ w)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        with torch.enable_grad():
+            y = torch.tanh(x.detach() @ w)  # w: the differentiated leaf
+            # Twice the cotangent, halved after: what the nested backward returns matters.
+            (gw,) = torch.autograd.grad(y, w, 2 * g)
+        return None, gw / 2  # x is not differentiated here
+
+
+def test_a_backward_nested_in_the_backward_keeps_its_own_gradients(monkeypatch):
+    # The hook that writes a leaf's gradient acts in the outer backward only: the nested
+    # torch.autograd.grad through the same leaf must see the real gradient, not a zero.
+    from torchjax._to_jax import _residual
+
+    monkeypatch.setattr(_residual, "MIN_HOOKED_NUMEL", 1)  # hook the small leaf too
+
+    def loss(x, w):
+        return _VjpInsideBackward.apply(x, w).pow(2).sum()
+
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    w = jnp.linspace(0.5, -0.5, 8).reshape(4, 2)
+    got = jax.jit(jax.grad(torchjax.to_jax(loss), argnums=1))(x, w)
+    want = jax.grad(lambda w: (jnp.tanh(x @ w) ** 2).sum())(w)
+    tree_close(got, want)

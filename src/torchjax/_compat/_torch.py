@@ -69,6 +69,16 @@ tensor_from_capsule = or_(
     torch.utils.dlpack.from_dlpack,
 )
 
+# The autograd graph task running on this thread (-1: none): a tensor hook asks it to act
+# in one backward only, not in a backward nested inside (an adjoint solver's own grads).
+current_graph_task_id = or_(
+    private(
+        "torch._C._current_graph_task_id",
+        fallback="a jitted VJP copies its gradients after the backward (more peak memory)",
+    ),
+    None,
+)
+
 # Grad mode, set without the context-manager object torch.set_grad_enabled builds.
 set_grad_enabled = or_(
     private("torch._C._set_grad_enabled", fallback="torch.set_grad_enabled (slower)"),

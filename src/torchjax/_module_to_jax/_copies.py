@@ -29,13 +29,14 @@ import torch
 
 from torchjax._compat._torch import (
     compiled_context,
+    is_functorch_wrapped,
     module_buffers,
     module_parameters,
     parametrize_cache,
     storage_id,
 )
 from torchjax._errors import StateWarning, VariablesError
-from torchjax._module_to_jax._placeholders import IDLE, placeholder
+from torchjax._module_to_jax._placeholders import BATCHED, IDLE, placeholder
 from torchjax._to_jax._fake_run import real_mode
 from torchjax._to_jax._residual import HeldState, KeptGraph, hold, input_view, rebuild_input_view
 from torchjax._to_jax._snapshots import ModulesSnapshot
@@ -111,9 +112,15 @@ class ModuleCopy(HeldState):
     def keep_for_graph(self, graph: KeptGraph, inputs: list[torch.Tensor]) -> None:
         where = {storage_id(t): k for k, t in enumerate(inputs) if t.numel()}
         record = []
-        for t in self.slot_values():
+        for j, t in enumerate(self.slot_values()):
             leaf = next((i for i, lf in enumerate(graph.leaves) if lf is t), None)
-            if leaf is not None:
+            if is_functorch_wrapped(t):
+                # A forward batched under torch.func.vmap (per-example gradients from one
+                # graph): its backward runs unbatched, so a backward that reads the module
+                # again is refused, saying why, rather than computed on the wrong shapes.
+                why = BATCHED.format(module=type(self.module).__name__)
+                record.append(("own", placeholder(self.placeholders[j], why)))
+            elif leaf is not None:
                 record.append(("leaf", leaf))
             elif isinstance(t, torch.Tensor) and t.numel() and storage_id(t) in where:
                 record.append(("input", input_view(where[storage_id(t)], t)))

@@ -35,6 +35,13 @@ reference kept in __init__ (a list, a closure, another object's attribute), or a
 read after the call returned. Read parameters and buffers through the module's attributes
 (self.weight) when forward runs."""
 
+BATCHED = """\
+{{func}} of a tensor of {module} in a backward under jax.vmap: the forward ran batched under
+torch.func.vmap, and a backward that runs the module again (torch.utils.checkpoint, an
+adjoint solver) would run it unbatched. Batch such a module with
+to_jax(..., vmap_method="sequential"), or leave torch.utils.checkpoint out of the call
+that jax.vmap batches."""
+
 _GETTERS = "shape dtype device requires_grad is_leaf layout ndim is_meta is_cuda is_cpu is_sparse"
 _GETTERS += " is_quantized is_nested grad grad_fn data itemsize"
 _METHODS = "size dim numel nelement element_size is_floating_point is_complex stride"

@@ -92,6 +92,7 @@ from torchjax._to_jax._options import Options
 from torchjax._to_jax._outputs import as_jax_tree
 from torchjax._to_jax._residual import (
     GRAPHS,
+    OUTPUT_BUFFERS,
     KeptGraph,
     enter_derived_call,
     exit_derived_call,
@@ -681,7 +682,7 @@ class JvpFunction(_Derivative):
             if not self.with_residuals:
                 return self._jvp(primals, rest[0])
             (_, state), tangents = rest
-            with replaying(_unbatched(state, 1), _device_of(primals)):
+            with replaying(unbatched_residual(state, 1), _device_of(primals)):
                 return self._jvp(primals, tangents)
         finally:
             exit_derived_call()
@@ -737,6 +738,7 @@ class VjpFunction(_Derivative):
             exit_derived_call()
 
     def _call(self, primals: tuple, *rest: tuple) -> tuple:
+        into = OUTPUT_BUFFERS.take()  # XLA's buffers for the gradients, at the top call only
         if self.with_tangents:
             *head, cts, more = rest
             stacked = tuple(torch.stack([c, m]) for c, m in zip(cts, more, strict=True))
@@ -750,21 +752,29 @@ class VjpFunction(_Derivative):
         # numbers: JAX's vjp(ct) is conj(torch's vjp(conj(ct))). Real leaves are unaffected.
         if any(map(torch.is_complex, cotangents)):
             cotangents = tuple(map(conj, cotangents))
+            into = None  # conjugated after: not what the buffers should hold
         if self.with_residuals:
-            grads = self._after_taped(primals, rest[0], cotangents)
+            grads = self._after_taped(primals, rest[0], cotangents, into)
         elif self.ct_batch:
             grads = self._batched_pullback(primals, cotangents)
         else:
             grads = self._pullback(primals, cotangents)
         return tuple(map(conj, grads)) if any(map(torch.is_complex, grads)) else tuple(grads)
 
-    def _after_taped(self, primals: tuple, residuals: tuple, cotangents: tuple) -> tuple:
+    def _after_taped(
+        self, primals: tuple, residuals: tuple, cotangents: tuple, into: Any = None
+    ) -> tuple:
         """Through the graph the forward kept, if it is still there and nothing outside
-        differentiates this call; otherwise recompute, replaying the forward's draws."""
-        handle, state = (_unbatched(r, ndim) for r, ndim in zip(residuals, (0, 1), strict=True))
+        differentiates this call (writing the gradients into `into`, XLA's buffers, where
+        given); otherwise recompute, replaying the forward's draws."""
+        handle, state = (
+            unbatched_residual(r, ndim) for r, ndim in zip(residuals, (0, 1), strict=True)
+        )
         graph = GRAPHS.take(int(handle)) if handle is not None and int(handle) else None
         if graph is not None and not self.ct_batch and outermost((primals, cotangents)):
-            return graph.backward(_tensors_of(primals), self.out_mask, cotangents)
+            if into is not None and len(into) != len(self.wrt):
+                into = None
+            return graph.backward(_tensors_of(primals), self.out_mask, cotangents, into)
         with replaying(state, _device_of(primals)):
             if self.ct_batch:
                 return self._batched_pullback(primals, cotangents)
@@ -880,7 +890,7 @@ class RecordedForward(_Derivative):
         return jax.ShapeDtypeStruct((), np.int32), jax.ShapeDtypeStruct((size,), np.uint8)
 
 
-def _unbatched(t: Any, ndim: int) -> Any:
+def unbatched_residual(t: Any, ndim: int) -> Any:
     """t if it is a plain tensor of `ndim` dims; None if a torch.func transform wraps it or
     it carries a batch axis (vmap_method="broadcast_all"): a batch of handles or RNG
     states has no single graph or generator state to use."""

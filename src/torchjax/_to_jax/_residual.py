@@ -34,7 +34,13 @@ from typing import Any
 
 import torch
 
-from torchjax._compat._torch import DisableFuncTorch, is_view, storage_id, tensor_use_count
+from torchjax._compat._torch import (
+    DisableFuncTorch,
+    current_graph_task_id,
+    is_view,
+    storage_id,
+    tensor_use_count,
+)
 from torchjax._to_jax._cuda import forward_stream, ordered_with
 
 _getrefcount = sys.getrefcount
@@ -76,6 +82,7 @@ class KeptGraph:
         "refill",
         "held",
         "stream",
+        "input_shapes",
         "__weakref__",
     )
 
@@ -87,6 +94,7 @@ class KeptGraph:
         self.refill: list[int | None] = []  # per leaf: the input to refill it from
         self.held: list[HeldState] = []
         self.stream: Any = None  # the forward's CUDA stream (None off the GPU)
+        self.input_shapes: tuple | None = None  # a batched forward's: the VJP's must match
 
     def keep_held(self, held: list[HeldState], inputs: list[torch.Tensor]) -> None:
         """Take over what the forward left held, until the backward (or this graph's end)."""
@@ -99,11 +107,19 @@ class KeptGraph:
         for h in self.held:
             h.reinstall(self)
 
-    def backward(self, inputs: list[torch.Tensor], out_mask: tuple, cotangents: tuple) -> tuple:
+    def backward(
+        self, inputs: list[torch.Tensor], out_mask: tuple, cotangents: tuple, into: Any = None
+    ) -> tuple:
         """The cotangents of the leaves from this kept forward, by torch.autograd.grad; frees
         the graph. `inputs` are the VJP's own, the same values as the forward's: saved views
         of inputs and emptied leaves are refilled from them, and what the forward left held
-        is put back for the backward to read."""
+        is put back for the backward to read.
+
+        `into` (XLA's output buffers under jit, one per leaf, or None): each leaf's gradient
+        is copied there the moment torch has it, and torch's own is freed then, instead of
+        all of them living until the backward ends and being copied after (a second set of
+        gradients at the step's peak). A leaf whose gradient went there returns its buffer.
+        """
         self.inputs = inputs
         self.refill_leaves()
         outs = [o for o, m in zip(self.outputs, out_mask, strict=True) if m]
@@ -112,18 +128,26 @@ class KeptGraph:
         self.reinstall_held()
         # On the GPU a backward on another stream than the forward's (eager after jitted,
         # or the reverse) is ordered both ways with it, before the graph's tensors are freed.
+        hooks: list = []
         with ordered_with(self.stream):
             try:
                 if not pairs:
                     return tuple(torch.zeros_like(x) for x in self.leaves)
-                return torch.autograd.grad(
+                roots = [o for o, _ in pairs]
+                filled = _write_into(roots, self.leaves, into, hooks) if into else None
+                grads = torch.autograd.grad(
                     [o for o, _ in pairs],
                     self.leaves,
                     [c for _, c in pairs],
                     allow_unused=True,
                     materialize_grads=True,
                 )
+                if filled is None:
+                    return grads
+                return tuple(d if f else g for g, d, f in zip(grads, into, filled, strict=True))
             finally:
+                for h in hooks:  # a leaf something else holds must not write there again
+                    h.remove()
                 self.release_held()
                 self.inputs = self.outputs = self.leaves = []
 
@@ -137,22 +161,27 @@ class KeptGraph:
         if self.held:
             self.release_held()
 
-    def let_go_of_inputs(self, inputs: list[torch.Tensor], returned: list[Any]) -> None:
+    def let_go_of_inputs(
+        self, inputs: list[torch.Tensor], returned: list[Any], recipes: list | None = None
+    ) -> None:
         """Empty the leaves, which share the memory of `inputs`, until the VJP refills them.
 
         Under jit an input is XLA's buffer for this call only: a leaf the graph keeps alive
         would make the call copy it (_guard.copy_kept_inputs), a copy of every parameter per
         training step. Only the graph needs the leaves (saved views of inputs are rebuilt
         from the VJP's inputs anyway), and the VJP gets the same inputs again. A leaf
-        anything else holds (returned, cached by the function) is left as it is.
+        anything else holds (returned, cached by the function) is left as it is. `recipes`
+        (a batched forward's, per leaf): how a leaf that is a view of an input is made again
+        from the VJP's inputs (its `rebuild`).
         """
         self.refill = []
-        for leaf in self.leaves:
+        for j in range(len(self.leaves)):  # not enumerate: its reused tuple holds the leaf
+            leaf = self.leaves[j]
             uses, refs = tensor_use_count(leaf), _getrefcount(leaf)
             # References: the list, `leaf`, getrefcount's argument, and torch's own while
             # the graph's AccumulateGrad node (the one other user) holds it.
             alone = uses <= 2 and refs == 2 + uses and not any(r is leaf for r in returned)
-            k = _input_of(leaf, inputs) if alone else None
+            k = (_input_of(leaf, inputs) if recipes is None else recipes[j]) if alone else None
             if k is not None:
                 leaf.data = leaf.new_empty(0)
             self.refill.append(k)
@@ -161,7 +190,76 @@ class KeptGraph:
         """Give the emptied leaves the VJP's inputs, the values the forward saw."""
         for leaf, k in zip(self.leaves, self.refill, strict=True):
             if k is not None:
-                leaf.data = self.inputs[k]
+                leaf.data = self.inputs[k] if type(k) is int else k.rebuild(self.inputs)
+
+
+# A gradient smaller than this is copied after the backward as before: freeing it early
+# saves little, and the hook costs a few microseconds a call (register, fire, remove).
+MIN_HOOKED_NUMEL = 1 << 16
+
+
+def _write_into(
+    roots: list[torch.Tensor], leaves: list[torch.Tensor], into: list, hooks: list
+) -> list[bool] | None:
+    """Hook each leaf whose buffer in `into` fits it and has MIN_HOOKED_NUMEL elements or
+    more: its gradient is written there as soon as torch computes it, and a stride-0 zero
+    goes on in its place (freed with the graph). Returns, per leaf, a flag that is set once
+    its buffer holds the gradient (None: no hooks, the gradients are copied after).
+
+    A tensor hook fires in every backward that reaches the leaf, and a backward may run
+    others inside it through the same leaves (an adjoint ODE solver's vector-field VJPs):
+    the hooks act only in the backward whose roots are `roots`, told by its graph task."""
+    if current_graph_task_id is None or any(r.grad_fn is None for r in roots):
+        return None
+    fits = [
+        dst is not None
+        and dst.numel() >= MIN_HOOKED_NUMEL
+        and dst.shape == leaf.shape
+        and dst.dtype is leaf.dtype
+        for leaf, dst in zip(leaves, into, strict=True)
+    ]
+    if not any(fits):
+        return None
+    task: list[int] = []
+
+    def mark(grad_outputs: Any) -> None:
+        if not task:  # the roots run first in their own backward, before any nested one
+            task.append(current_graph_task_id())
+
+    for r in roots:
+        hooks.append(r.grad_fn.register_prehook(mark))
+    filled = [False] * len(leaves)
+    for j, (leaf, dst) in enumerate(zip(leaves, into, strict=True)):
+        if not fits[j]:
+            continue
+
+        def write(g: torch.Tensor, j: int = j, dst: torch.Tensor = dst) -> torch.Tensor:
+            if not task or current_graph_task_id() != task[0]:
+                return g  # a backward nested inside: not ours
+            if filled[j]:  # a second pass (never seen: torch sums first): add, as it would
+                dst.add_(g)
+            else:
+                dst.copy_(g)
+                filled[j] = True
+            return g.new_zeros(()).expand(g.shape)
+
+        hooks.append(leaf.register_hook(write))
+    return filled
+
+
+class OutputBuffers(threading.local):
+    """XLA's output buffers of the jitted call running on this thread, for a VJP that can
+    write its gradients there itself (set by the lowering for a VjpFunction only)."""
+
+    buffers: list | None = None
+
+    def take(self) -> list | None:
+        """The buffers, once: the first to ask gets them (a call nested in the VJP, none)."""
+        buffers, self.buffers = self.buffers, None
+        return buffers
+
+
+OUTPUT_BUFFERS = OutputBuffers()
 
 
 class HeldState:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from torchjax._errors import VmapError
 from torchjax._primitive._params import is_operand
+from torchjax._to_jax._batched_tape import BatchedRecordedForward, BatchedTapedVjp
 from torchjax._to_jax._callables import (
     BatchedFunction,
     JvpFunction,
@@ -37,9 +38,12 @@ def batch(args: tuple, axes: tuple, *, fn: Any, options: Any) -> tuple[Any, Any]
     """Batch the combined call as two when only its tangents are batched, a VJP with only
     its cotangents batched as one forward and a batched pullback; else as one call."""
     if isinstance(fn, RecordedForward):
-        # Batched, the forward keeps no graph and no generator state (both "none": zeros),
-        # so it is only the inner call, which jit drops where its outputs go unused, as in
-        # jax.jit(jax.vmap(jax.grad(f))): one batched VJP call.
+        taped = _taped_forward(args, axes, fn, options)
+        if taped is not None:
+            return taped
+        # Batched as any call, the forward keeps no graph and no generator state (both
+        # "none": zeros), so it is only the inner call, which jit drops where its outputs
+        # go unused: one batched VJP call.
         out, out_axes = by_method(args, axes, fn=fn.inner, options=options)
         out = jax.tree_util.tree_leaves(out)
         nothing = tuple(jax.numpy.zeros(t.shape, t.dtype) for t in RecordedForward.residual_types())
@@ -62,6 +66,10 @@ def batch(args: tuple, axes: tuple, *, fn: Any, options: Any) -> tuple[Any, Any]
             level = tuple(axes[-1])  # the cotangents: one array each, so one axis each
             pulled = dataclasses.replace(fn, ct_batch=(*fn.ct_batch, level))
             return torch_call_p.bind(*args, fn=pulled, options=options), 0
+    if isinstance(fn, VjpFunction) and fn.with_residuals and not fn.with_tangents:
+        taped = _taped_vjp(args, axes, fn, options)
+        if taped is not None:
+            return taped
     primals, tangents = args if isinstance(fn, JvpFunction) and fn.with_primals else ((), ())
     if not tangents or any(a is not None for a in jax.tree_util.tree_leaves(axes[0])):
         return by_method(args, axes, fn=fn, options=options)
@@ -69,6 +77,42 @@ def batch(args: tuple, axes: tuple, *, fn: Any, options: Any) -> tuple[Any, Any]
     t_out, t_axes = by_method(args, axes, fn=fn.linear, options=options)
     t_axes = _broadcast(t_axes, len(t_out))
     return (*out, *t_out), (*[None] * len(out), *t_axes)
+
+
+def _tensor_in_dims(args: tuple, axes: tuple) -> tuple:
+    """One batch axis (or None) per operand leaf of `args`, in flattening order."""
+    leaves, tree = _tree.tree_flatten(args)
+    flat_axes = tree.flatten_up_to(axes)
+    return tuple(a for x, a in zip(leaves, flat_axes, strict=True) if is_operand(x))
+
+
+def _taped_forward(args: tuple, axes: tuple, fn: RecordedForward, options: Options) -> Any:
+    """The batched forward that keeps one graph for every example (_batched_tape.py), where
+    it applies: the user's function, batched by torch.func, with every output batched."""
+    if options.vmap_method != "torch.func" or options.grad_method == "autograd":
+        return None
+    if not fn.keep_graph or fn.inner is not fn.inner.root:
+        return None
+    in_dims = _tensor_in_dims(args, axes)
+    plain = BatchedFunction(fn.inner, in_dims, options.vmap_randomness).with_out_dims(args)
+    if plain.out_dims is not None:
+        return None  # some output stays unbatched: the plain batched call handles that
+    taped = BatchedRecordedForward(fn, in_dims, options.vmap_randomness)
+    out = torch_call_p.bind(*args, fn=taped, options=options)
+    return out, (*[0] * (len(out) - 2), None, None)
+
+
+def _taped_vjp(args: tuple, axes: tuple, fn: VjpFunction, options: Options) -> Any:
+    """The batched VJP that pulls back through a BatchedRecordedForward's graph, where its
+    residuals came unbatched from one (else None: the VJP is batched as any call)."""
+    if options.vmap_method != "torch.func" or fn.ct_batch or fn.method == "autograd":
+        return None
+    _, residual_axes, _ = axes
+    if any(a is not None for a in _tree.tree_leaves(residual_axes)):
+        return None
+    in_dims = _tensor_in_dims(args, axes)
+    taped = BatchedTapedVjp(fn, in_dims, options.vmap_randomness)
+    return torch_call_p.bind(*args, fn=taped, options=options), 0
 
 
 def _broadcast(axes: Any, n: int) -> list:

@@ -29,9 +29,12 @@ from torchjax._convert import (
     narrow_checked,
     torch_dtype,
 )
+from torchjax._to_jax._batched_tape import BatchedTapedVjp
 from torchjax._to_jax._call_plan import plan_for, plan_parts
+from torchjax._to_jax._callables import VjpFunction
 from torchjax._to_jax._cuda import on_xla_stream
 from torchjax._to_jax._guard import copy_kept_inputs
+from torchjax._to_jax._residual import OUTPUT_BUFFERS
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -76,8 +79,13 @@ def callback_call(
     operands: Sequence[Any],
     out_structs: Sequence[jax.ShapeDtypeStruct],
     out_paths: Sequence[str],
+    share_outputs: bool = False,
 ) -> list[Any]:
-    """Stage a host call of `run` into the current JAX trace; returns the flat outputs."""
+    """Stage a host call of `run` into the current JAX trace; returns the flat outputs.
+
+    With `share_outputs` (a VJP through a kept graph), XLA's output buffers are offered to
+    the call (OUTPUT_BUFFERS): a gradient it writes there itself, returned as that buffer,
+    is not copied again, and torch's own is freed as soon as it was written."""
     run = _notes_in_message(run)
     if not USE_BUFFER_CALLBACK:
         return _pure_callback_call(run, operands, out_structs, out_paths)
@@ -94,10 +102,13 @@ def callback_call(
             on_cpu = (ins or outs)[0].__dlpack_device__()[0] == _DL_CPU
         if not on_cpu:
             with _xla_stream(ctx, (ins or outs)[0]):
-                _run_into(run, ins, outs, out_paths, _buffer_tensor)
+                _run_into(run, ins, outs, out_paths, _buffer_tensor, share_outputs)
             return
         # The CPU path, inlined: this runs on every call of a jitted function.
         tensors = [tensor_from_capsule(b.__dlpack__()) for b in ins]
+        if share_outputs:
+            _run_sharing_outputs(run, tensors, outs, out_paths)
+            return
         results = run(tensors)
         for buf, value, where in zip(outs, results, out_paths, strict=True):
             dst = tensor_from_capsule(buf.__dlpack__())
@@ -145,10 +156,35 @@ def _notes_in_message(run: Run) -> Run:
     return call
 
 
-def _run_into(run: Run, ins: Sequence, outs: Sequence, out_paths: Sequence[str], wrap) -> None:
+def _run_into(
+    run: Run, ins: Sequence, outs: Sequence, out_paths: Sequence[str], wrap, share: bool = False
+) -> None:
     tensors = [wrap(b) for b in ins]
+    if share:
+        _run_sharing_outputs(run, tensors, outs, out_paths)
+        return
     _write_all(run(tensors), outs, out_paths, wrap)
     copy_kept_inputs(tensors)
+
+
+def _run_sharing_outputs(run: Run, tensors: list, outs: Sequence, out_paths: Sequence[str]) -> None:
+    """`run` with XLA's output buffers offered to it (OUTPUT_BUFFERS); an output it returns
+    as its buffer is already written there."""
+    dsts = [tensor_from_capsule(b.__dlpack__()) for b in outs]
+    OUTPUT_BUFFERS.buffers = dsts
+    try:
+        results = run(tensors)
+    finally:
+        OUTPUT_BUFFERS.buffers = None
+    for dst, value, where in zip(dsts, results, out_paths, strict=True):
+        if value is not dst:
+            write_output(dst, value, where)
+    results = value = dst = dsts = None
+    for t in tensors:  # as in the inlined CPU path: copy only where an input is kept
+        if _refs(t) != 3 or tensor_use_count(t) != 1 or _uses(_storage_id(t)) != 1:
+            del t
+            copy_kept_inputs(tensors)
+            break
 
 
 def _write_all(results: Sequence, outs: Sequence, out_paths: Sequence[str], wrap) -> None:
@@ -178,5 +214,8 @@ def lowering(*args: Any, fn: Any, options: Any, signature: Any) -> Any:
     del options
     operands, *parts = plan_parts(args, signature.out_types)
     plan = plan_for(fn, *parts)
-    outs = callback_call(plan, operands, plan.structs, plan.out_paths)
+    share = (type(fn) is VjpFunction and fn.with_residuals and not fn.ct_batch) or (
+        type(fn) is BatchedTapedVjp
+    )
+    outs = callback_call(plan, operands, plan.structs, plan.out_paths, share)
     return jax.tree_util.tree_unflatten(plan.out_tree, outs)

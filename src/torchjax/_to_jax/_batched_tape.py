@@ -1,0 +1,207 @@
+# Per-example gradients from one forward: jax.vmap of the reverse-mode split.
+#
+# jax.vmap(jax.value_and_grad(f)) batches both halves of the split (_rule_partial_eval.py):
+# the forward (a RecordedForward) and its VJP. Batched as any call, the forward runs under
+# torch.func.vmap, which cannot keep a graph, and the VJP recomputes it: two forwards where
+# torch.func.vmap(torch.func.grad_and_value(f)) runs one. Instead the batched forward is
+# recorded by torch.autograd around torch.func.vmap, with every differentiated input a leaf
+# that carries the batch axis in front: a batched input moved there, an unbatched one
+# (the parameters, in_axes=None) expanded to the batch size with stride 0, no copy. The
+# gradient of a [B, ...] leaf is then one gradient per example, so the batched VJP pulls
+# each example's cotangent back through the one kept graph: one forward, one backward, and
+# torch.func's matmul count (the forward's matmuls become batched ones of the same FLOPs).
+# Where the graph cannot serve (nested transforms, a VJP called twice, an evicted graph)
+# the VJP recomputes under torch.func.vmap as before, replaying the forward's draws.
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import torch
+
+from torchjax._to_jax._autograd import outermost
+from torchjax._to_jax._callables import (
+    BatchedFunction,
+    DerivedFunction,
+    RecordedForward,
+    VjpFunction,
+    unbatched_residual,
+)
+from torchjax._to_jax._options import Options
+from torchjax._to_jax._residual import (
+    GRAPHS,
+    OUTPUT_BUFFERS,
+    KeptGraph,
+    enter_derived_call,
+    exit_derived_call,
+    held_count,
+    recording,
+    replaying,
+    rng_state,
+    take_held,
+)
+from torchjax._to_jax._vmap import as_tensor
+
+_tree = jax.tree_util
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """How a batched graph's leaf is made from the forward's input k (the recipe a VJP
+    refills it with): moved (batch axis `dim` to the front) or, for an unbatched input,
+    expanded to `size` with stride 0."""
+
+    k: int
+    dim: int | None
+    size: int
+
+    def rebuild(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        t = inputs[self.k].detach()
+        return t.expand(self.size, *t.shape) if self.dim is None else t.movedim(self.dim, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchedRecordedForward(DerivedFunction):
+    """``forward`` (a RecordedForward) batched by torch.func.vmap over the tensor leaves
+    with batch axes `in_dims`, recorded by torch.autograd with batched leaves (see the
+    banner). Returns ``(*outputs batched at 0, handle, rng_state)``, the two residuals
+    unbatched; handle 0 where no graph was kept (inside another transform)."""
+
+    inner: RecordedForward
+    in_dims: tuple
+    randomness: str
+
+    def _batched(self, in_dims: tuple | None = None) -> BatchedFunction:
+        return BatchedFunction(self.inner.inner, in_dims or self.in_dims, self.randomness)
+
+    def arg_path(self, path: tuple) -> str:
+        return self.inner.arg_path(path)
+
+    def __call__(self, *primals: Any) -> tuple:
+        enter_derived_call()
+        try:
+            return self._call(primals)
+        finally:
+            exit_derived_call()
+
+    def _call(self, primals: tuple) -> tuple:
+        leaves, tree = _tree.tree_flatten(primals)
+        positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        tensors = [leaves[i] for i in positions]
+        device = tensors[0].device
+        state = rng_state(device).to(device)
+        dims = dict(zip(positions, self.in_dims, strict=True))
+        wrt = self.inner.wrt
+        if not outermost(primals) or any(leaves[i].is_complex() for i in wrt):
+            outs = _tree.tree_leaves(self._batched()(*primals))
+            return (*[as_tensor(o, device) for o in outs], _handle(0, device), state)
+        size = next(t.shape[d] for t, d in zip(tensors, self.in_dims, strict=True) if d is not None)
+        index = {i: k for k, i in enumerate(positions)}
+        recipes = [_Leaf(index[i], dims[i], size) for i in wrt]
+        graph = KeptGraph()
+        mark = held_count()
+        new = list(leaves)
+        for i, recipe in zip(wrt, recipes, strict=True):
+            new[i] = recipe.rebuild(tensors).requires_grad_()
+        in_dims = tuple(0 if i in wrt else d for i, d in dims.items())
+        try:
+            with torch.enable_grad(), recording(graph, tensors):
+                graph.leaves = [new[i] for i in wrt]
+                out = self._batched(in_dims)(*_tree.tree_unflatten(tree, new))
+        except Exception:  # noqa: BLE001 - the call without a graph raises fn's own error
+            # What torch.func.vmap batches only beneath an autograd level of its own (a
+            # composite op such as column_stack decomposed), which refuses saved-tensor
+            # hooks: batched as before, with no graph; the VJP recomputes.
+            release = take_held(mark)
+            for h in release:
+                h.release()
+            del graph, new
+            with replaying(state, device):  # the draws the VJP will replay too
+                outs = _tree.tree_leaves(self._batched()(*primals))
+            return (*[as_tensor(o, device) for o in outs], _handle(0, device), state)
+        outs = [as_tensor(o, device) for o in _tree.tree_leaves(out)]
+        del out, new
+        mask = self.inner.out_mask
+        if not any(o.requires_grad for o, m in zip(outs, mask, strict=True) if m):
+            return (*[o.detach() for o in outs], _handle(0, device), state)
+        graph.keep_held(take_held(mark), tensors)
+        graph.let_go_of_inputs(tensors, outs, recipes)
+        graph.outputs = [o if m else None for o, m in zip(outs, mask, strict=True)]
+        graph.input_shapes = tuple(t.shape for t in tensors)
+        return (*[o.detach() for o in outs], _handle(GRAPHS.put(graph), device), state)
+
+    def out_types(self, options: Options, *primals: Any) -> tuple:
+        out = self._batched().out_types(options, *primals)
+        return (*_tree.tree_leaves(out), *RecordedForward.residual_types())
+
+    def call_failure(self, error: Exception, in_tree: Any = None) -> Exception:
+        return self._batched().call_failure(error, in_tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchedTapedVjp(DerivedFunction):
+    """``inner`` (a VjpFunction with residuals) batched over `in_dims` (its tensor leaves':
+    primals, the two residuals, unbatched, and cotangents): through the graph a
+    BatchedRecordedForward kept, one cotangent per example; else as BatchedFunction would,
+    recomputing under torch.func.vmap with the forward's draws replayed. The gradients
+    carry the batch axis in front."""
+
+    inner: VjpFunction
+    in_dims: tuple
+    randomness: str
+
+    def _batched(self) -> BatchedFunction:
+        return BatchedFunction(self.inner, self.in_dims, self.randomness)
+
+    def arg_path(self, path: tuple) -> str:
+        return self.inner.arg_path(path)
+
+    def __call__(self, primals: tuple, residuals: tuple, cotangents: tuple) -> tuple:
+        into = OUTPUT_BUFFERS.take()  # XLA's buffers for the gradients, under jit
+        graph = self._graph(primals, residuals, cotangents)
+        if graph is None:
+            return self._batched()(primals, residuals, cotangents)
+        enter_derived_call()
+        try:
+            ct_dims = self.in_dims[len(self.in_dims) - len(cotangents) :]
+            tensors = [x for x in _tree.tree_leaves((primals, residuals, cotangents))]
+            tensors = [x for x in tensors if isinstance(x, torch.Tensor)]
+            size = next(
+                t.shape[d] for t, d in zip(tensors, self.in_dims, strict=True) if d is not None
+            )
+            cts = tuple(
+                c.expand(size, *c.shape) if d is None else c.movedim(d, 0)
+                for c, d in zip(cotangents, ct_dims, strict=True)
+            )
+            inputs = [x for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)]
+            if into is not None and len(into) != len(graph.leaves):
+                into = None
+            return graph.backward(inputs, self.inner.out_mask, cts, into)
+        finally:
+            exit_derived_call()
+
+    def _graph(self, primals: tuple, residuals: tuple, cotangents: tuple) -> KeptGraph | None:
+        """The batched graph to pull back through, taken from the store; None: recompute."""
+        handle = unbatched_residual(residuals[0], 0)
+        if handle is None or not int(handle) or not outermost((primals, cotangents)):
+            return None
+        graph = GRAPHS.take(int(handle))
+        if graph is None or getattr(graph, "input_shapes", None) is None:
+            return None
+        inputs = [x for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)]
+        if tuple(t.shape for t in inputs) != graph.input_shapes:
+            return None  # not the forward's layout: its saved views would not fit
+        if any(map(torch.is_complex, cotangents)):
+            return None
+        return graph
+
+    def out_types(self, options: Options, *args: Any) -> Any:
+        return self._batched().out_types(options, *args)
+
+    def call_failure(self, error: Exception, in_tree: Any = None) -> Exception:
+        return self._batched().call_failure(error, in_tree)
+
+
+def _handle(value: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.int32, device=device)

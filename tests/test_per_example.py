@@ -1,0 +1,158 @@
+"""Per-example gradients from one forward (_batched_tape.py): jax.vmap of jax.grad or
+jax.value_and_grad runs the batched forward once, keeping one graph for every example, and
+pulls each example's cotangent back through it: torch.func's matmul count, counted here
+by a dispatch mode, and torch.func's numbers (torch.func.vmap(torch.func.grad_and_value))."""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from helpers import tree_close
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torchjax
+
+pytestmark = pytest.mark.core  # the version matrix runs this module
+
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "mv", "addmv", "dot"}
+D, H, B = 6, 5, 4
+
+
+class MatmulCount(TorchDispatchMode):
+    """Counts the matrix products torch runs while active (in callbacks too: on the CPU,
+    XLA runs them on the calling thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in MATMULS:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(D, H), torch.nn.Tanh(), torch.nn.Linear(H, H), torch.nn.Linear(H, 1)
+    )
+
+
+MODEL = _model()
+PARAMS_T = {k: v.detach() for k, v in MODEL.named_parameters()}
+PARAMS = {k: jnp.asarray(v.numpy()) for k, v in PARAMS_T.items()}
+XS = jnp.linspace(-1.0, 1.0, B * D).reshape(B, D)
+
+
+def loss(params, x):  # torch: params, [D] -> []
+    return torch.func.functional_call(MODEL, params, (x,)).squeeze(-1).pow(2)
+
+
+def _count(thunk):
+    thunk()  # traced and compiled: only the calls themselves are counted below
+    with MatmulCount() as mode:
+        out = jax.block_until_ready(thunk())
+    return out, mode.total
+
+
+def _torch_reference():
+    xs = torch.tensor(np.asarray(XS))
+    per_example = torch.func.vmap(torch.func.grad_and_value(loss), in_dims=(None, 0))
+    per_example(PARAMS_T, xs)
+    with MatmulCount() as mode:
+        grads, values = per_example(PARAMS_T, xs)
+    return grads, values, mode.total
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_value_and_grad_per_example_is_one_forward_with_torch_funcs_matmul_count(jit):
+    step = jax.vmap(jax.value_and_grad(torchjax.to_jax(loss)), in_axes=(None, 0))
+    step = jax.jit(step) if jit else step
+    (values, grads), count = _count(lambda: step(PARAMS, XS))
+    want_grads, want_values, want_count = _torch_reference()
+    assert count == want_count  # one forward and one backward: 2 forwards would add 3
+    tree_close(values, want_values)
+    tree_close(grads, want_grads)
+
+
+def test_module_per_example_grads_of_a_loss_computed_in_jax():
+    apply, variables = torchjax.module_to_jax(_model())
+
+    def jax_loss(params, x):
+        return (apply({"params": params, "buffers": {}}, x)[0] ** 2).sum()
+
+    step = jax.jit(jax.vmap(jax.value_and_grad(jax_loss), in_axes=(None, 0)))
+    (values, grads), count = _count(lambda: step(variables["params"], XS))
+    want_grads, want_values, want_count = _torch_reference()
+    assert count == want_count
+    tree_close(values, want_values)
+    tree_close(grads, want_grads)
+
+
+def test_batched_input_differentiated_too_with_its_batch_axis_not_first():
+    f = torchjax.to_jax(lambda w, x: torch.tanh(x @ w).pow(2).sum())
+    w = jnp.linspace(-0.5, 0.5, D * 3).reshape(D, 3)
+    xs_t = XS.T  # [D, B]: the batch on axis 1
+    got = jax.jit(jax.vmap(jax.grad(f, argnums=(0, 1)), in_axes=(None, 1)))(w, xs_t)
+    want = jax.vmap(
+        jax.grad(lambda w, x: (jnp.tanh(x @ w) ** 2).sum(), argnums=(0, 1)), in_axes=(None, 1)
+    )(w, xs_t)
+    tree_close(got, want)
+
+
+def test_nested_vmap_of_grad():
+    f = torchjax.to_jax(lambda w, x: torch.tanh(x @ w).sum())
+    w = jnp.linspace(-0.5, 0.5, D * 3).reshape(D, 3)
+    xs = XS.reshape(2, 2, D)
+    inner = jax.vmap(jax.grad(f), in_axes=(None, 0))
+    got = jax.vmap(inner, in_axes=(None, 0))(w, xs)
+    ref = jax.grad(lambda w, x: jnp.tanh(x @ w).sum())
+    want = jax.vmap(jax.vmap(ref, in_axes=(None, 0)), in_axes=(None, 0))(w, xs)
+    tree_close(got, want)
+
+
+def test_a_vjp_called_twice_recomputes_the_second_time():
+    f = torchjax.to_jax(lambda w, x: torch.sin(x @ w).sum())
+    w = jnp.linspace(-0.5, 0.5, D * 3).reshape(D, 3)
+
+    def both(w, x):
+        _, pullback = jax.vjp(lambda w: f(w, x), w)
+        return pullback(1.0)[0], pullback(2.0)[0]  # the graph serves the first only
+
+    first, second = jax.vmap(both, in_axes=(None, 0))(w, XS)
+    want = jax.vmap(jax.grad(lambda w, x: jnp.sin(x @ w).sum()), in_axes=(None, 0))(w, XS)
+    tree_close(first, want)
+    tree_close(second, 2 * want)
+
+
+def test_checkpointed_module_under_vmap_still_says_what_to_do():
+    # torch.utils.checkpoint re-runs the module in the backward, unbatched: refused with
+    # torch.func's own reason and the advice, as before one-forward batching.
+    import torch.utils.checkpoint as cp
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(D, 1)
+
+        def forward(self, x):
+            return cp.checkpoint(lambda x: torch.tanh(self.lin(x)), x, use_reentrant=False)
+
+    apply, variables = torchjax.module_to_jax(Checkpointed())
+
+    def jax_loss(params, x):
+        return apply({"params": params, "buffers": {}}, x).sum()
+
+    with pytest.raises(Exception, match="vmap_method='sequential'"):
+        jax.vmap(jax.grad(jax_loss), in_axes=(None, 0))(variables["params"], XS)
