@@ -128,7 +128,7 @@ class BatchedRecordedForward(DerivedFunction):
         graph.keep_held(take_held(mark), tensors)
         graph.let_go_of_inputs(tensors, outs, recipes)
         graph.outputs = [o if m else None for o, m in zip(outs, mask, strict=True)]
-        graph.input_shapes = tuple(t.shape for t in tensors)
+        graph.input_shapes = tuple(zip((t.shape for t in tensors), self.in_dims, strict=True))
         return (*[o.detach() for o in outs], _handle(GRAPHS.put(graph), device), state)
 
     def out_types(self, options: Options, *primals: Any) -> tuple:
@@ -190,8 +190,9 @@ class BatchedTapedVjp(DerivedFunction):
         if graph is None or getattr(graph, "input_shapes", None) is None:
             return None
         inputs = [x for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)]
-        if tuple(t.shape for t in inputs) != graph.input_shapes:
-            return None  # not the forward's layout: its saved views would not fit
+        layout = tuple(zip((t.shape for t in inputs), self.in_dims, strict=False))
+        if layout != graph.input_shapes:
+            return None  # not the forward's shapes and batch axes: its saved views would not fit
         if any(map(torch.is_complex, cotangents)):
             return None
         return graph

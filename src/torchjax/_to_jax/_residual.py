@@ -94,7 +94,7 @@ class KeptGraph:
         self.refill: list[int | None] = []  # per leaf: the input to refill it from
         self.held: list[HeldState] = []
         self.stream: Any = None  # the forward's CUDA stream (None off the GPU)
-        self.input_shapes: tuple | None = None  # a batched forward's: the VJP's must match
+        self.input_shapes: tuple | None = None  # a batched forward's (shape, batch axis)s
 
     def keep_held(self, held: list[HeldState], inputs: list[torch.Tensor]) -> None:
         """Take over what the forward left held, until the backward (or this graph's end)."""
