@@ -156,3 +156,29 @@ def test_checkpointed_module_under_vmap_still_says_what_to_do():
 
     with pytest.raises(Exception, match="vmap_method='sequential'"):
         jax.vmap(jax.grad(jax_loss), in_axes=(None, 0))(variables["params"], XS)
+
+
+def test_a_jitted_per_example_step_copies_no_input(monkeypatch):
+    # The batched leaves (parameters expanded with stride 0) are emptied after the forward
+    # and rebuilt from the VJP's inputs, so the call never gives XLA's input buffers a
+    # private copy (_guard.copy_kept_inputs), nor runs on copies.
+    from torchjax._to_jax import _call_plan, _rule_lowering
+
+    copied = []
+    released = _rule_lowering.copy_kept_inputs
+    on_copies = _call_plan.CallPlan._invoke_on_copies
+    monkeypatch.setattr(
+        _rule_lowering, "copy_kept_inputs", lambda t: copied.append("copy") or released(t)
+    )
+    monkeypatch.setattr(
+        _call_plan.CallPlan,
+        "_invoke_on_copies",
+        lambda self, *a, **k: copied.append("on copies") or on_copies(self, *a, **k),
+    )
+    step = jax.jit(jax.vmap(jax.value_and_grad(torchjax.to_jax(loss)), in_axes=(None, 0)))
+    for _ in range(3):
+        values, grads = step(PARAMS, XS)
+    assert copied == []
+    want_grads, want_values, _ = _torch_reference()
+    tree_close(values, want_values)
+    tree_close(grads, want_grads)

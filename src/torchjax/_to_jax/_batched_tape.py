@@ -103,7 +103,7 @@ class BatchedRecordedForward(DerivedFunction):
         mark = held_count()
         new = list(leaves)
         for i, recipe in zip(wrt, recipes, strict=True):
-            new[i] = recipe.rebuild(tensors).requires_grad_()
+            new[i] = _leaf_on(recipe.rebuild(tensors))
         in_dims = tuple(0 if i in wrt else d for i, d in dims.items())
         try:
             with torch.enable_grad(), recording(graph, tensors):
@@ -202,6 +202,15 @@ class BatchedTapedVjp(DerivedFunction):
 
     def call_failure(self, error: Exception, in_tree: Any = None) -> Exception:
         return self._batched().call_failure(error, in_tree)
+
+
+def _leaf_on(view: torch.Tensor) -> torch.Tensor:
+    """An autograd leaf holding `view`'s memory that is not itself a view: a view keeps its
+    base, an alias of XLA's input buffer, alive after the leaf is emptied (and the call
+    would then copy that buffer, _guard.copy_kept_inputs)."""
+    leaf = torch.empty(0, dtype=view.dtype, device=view.device).requires_grad_()
+    leaf.data = view
+    return leaf
 
 
 def _handle(value: int, device: torch.device) -> torch.Tensor:
