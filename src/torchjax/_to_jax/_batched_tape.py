@@ -47,7 +47,7 @@ _tree = jax.tree_util
 
 
 @dataclasses.dataclass(frozen=True)
-class _Leaf:
+class _BatchedLeaf:
     """How a batched graph's leaf is made from the forward's input k (the recipe a VJP
     refills it with): moved (batch axis `dim` to the front) or, for an unbatched input,
     expanded to `size` with stride 0."""
@@ -98,7 +98,7 @@ class BatchedRecordedForward(DerivedFunction):
             return (*[as_tensor(o, device) for o in outs], _handle(0, device), state)
         size = next(t.shape[d] for t, d in zip(tensors, self.in_dims, strict=True) if d is not None)
         index = {i: k for k, i in enumerate(positions)}
-        recipes = [_Leaf(index[i], dims[i], size) for i in wrt]
+        recipes = [_BatchedLeaf(index[i], dims[i], size) for i in wrt]
         graph = KeptGraph()
         mark = held_count()
         new = list(leaves)
@@ -165,8 +165,8 @@ class BatchedTapedVjp(DerivedFunction):
         enter_derived_call()
         try:
             ct_dims = self.in_dims[len(self.in_dims) - len(cotangents) :]
-            tensors = [x for x in _tree.tree_leaves((primals, residuals, cotangents))]
-            tensors = [x for x in tensors if isinstance(x, torch.Tensor)]
+            leaves = _tree.tree_leaves((primals, residuals, cotangents))
+            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
             size = next(
                 t.shape[d] for t, d in zip(tensors, self.in_dims, strict=True) if d is not None
             )

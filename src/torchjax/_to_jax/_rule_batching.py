@@ -139,7 +139,7 @@ def by_method(args: tuple, axes: tuple, *, fn: Any, options: Options) -> tuple[A
     size = next(x.shape[a] for x, a in zip(leaves, flat_axes, strict=True) if a is not None)
     method = options.vmap_method
     if method == "torch.func":
-        in_dims = tuple(a for x, a in zip(leaves, flat_axes, strict=True) if is_operand(x))
+        in_dims = _tensor_in_dims(args, axes)
         # A derivative by torch.autograd.grad (grad_mode: one is in fn) cannot be vmapped.
         per_example = options.grad_method == "autograd" and fn.grad_mode
         batched = BatchedFunction(fn, in_dims, options.vmap_randomness, per_example)
