@@ -424,12 +424,17 @@ assert out.devices() == {cpu1} and aux["n"].devices() == {cpu1}, (out.devices(),
 assert (out == jnp.arange(4.0) * 2).all()
 assert jax.jit(f)(x)[0].devices() == {cpu1}
 assert torchjax.to_jax(lambda t: t * 2)(jnp.arange(2.0)).devices() == {jax.devices()[0]}
-try:
-    torchjax.to_jax(lambda a, b: a + b)(x, jax.device_put(jnp.ones(4), jax.devices()[0]))
-except torchjax.errors.ConversionError as e:
-    assert "args[1] is committed to" in str(e), e
-else:
-    raise AssertionError("no error for inputs on two devices")
+g = torchjax.to_jax(lambda t: t * 2)  # the second call takes the eager shortcut (HotCall)
+assert [g(x).devices() for _ in range(2)] == [{cpu1}, {cpu1}]
+add = torchjax.to_jax(lambda a, b: a + b)
+add(x, x)  # a first call, on one device: the next, on two, takes the shortcut
+for h in (torchjax.to_jax(lambda a, b: a + b), add):
+    try:
+        h(x, jax.device_put(jnp.ones(4), jax.devices()[0]))
+    except torchjax.errors.ConversionError as e:
+        assert "args[1] is committed to" in str(e), e
+    else:
+        raise AssertionError("no error for inputs on two devices")
 print("devices ok")
 """
 

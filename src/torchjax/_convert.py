@@ -97,6 +97,11 @@ def torch_dtype(dtype: Any) -> torch.dtype:
         raise ConversionError(f"dtype {dtype} has no torch equivalent; {_SUPPORTED}.") from None
 
 
+# The dtypes a tensor keeps as a JAX array whatever the x64 mode (tensor_to_jax's fast path).
+_KEPT_DTYPES = frozenset(_TORCH_TO_NUMPY).difference(_NARROW_64)
+_strided = torch.strided
+
+
 def canonical_torch_dtype(dtype: torch.dtype) -> torch.dtype:
     """The torch dtype a value of `dtype` has once it is a JAX array (x64 policy applied)."""
     if not _x64.value:
@@ -175,6 +180,20 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value", device: Any = None) -> 
       A ``jax.Array`` on the matching device. It aliases ``t``'s memory when ``t`` is
       contiguous and 64-byte aligned and keeps its dtype; otherwise it is one copy.
     """
+    if (
+        t.is_cpu
+        and t.dtype in _KEPT_DTYPES
+        and t.layout is _strided
+        and not t.requires_grad
+        and t.is_contiguous()
+        and not t.const_data_ptr() % 64
+        and not t.is_conj()
+        and not t.is_neg()
+    ):
+        # The common case, checked in one go: a dense CPU tensor XLA can alias as it is.
+        if device is None or device.platform != "cpu":
+            device = _jax_cpu_device()
+        return cpu_array_from_tensor(t, device)
     if t.requires_grad:
         t = t.detach()
     if t.layout != torch.strided:
@@ -239,6 +258,9 @@ def array_to_tensor(a: Any, where: str = "value") -> torch.Tensor:
     The tensor aliases the array's buffer: writing to it would change an immutable JAX
     array, so callers must treat it as read-only (to_jax enforces this for torch code).
     """
+    if type(a) is _ArrayImpl and _EXPORT is not None and type(a.sharding) is _SingleDeviceSharding:
+        if a.platform() == "cpu" and a.dtype in _NUMPY_TO_TORCH:  # the common case, first
+            return _tensor_from_capsule(_EXPORT(a, stream=None))
     if isinstance(a, HOST_ARRAY_TYPES):
         return _numpy_to_tensor(np.asarray(a))
     if isinstance(a, jax.core.Tracer):

@@ -42,17 +42,27 @@ class _CpuImport:
         self.forms = [(None, None, _DL_CPU), (None, None), (None,)]
         if dlpack_import is ABSENT:
             self.forms = []
+        self.form: tuple | None = None  # the one that worked
 
     def __call__(self, t: torch.Tensor, device: Any) -> jax.Array:
+        form = self.form
+        if form is not None:
+            return dlpack_import(_to_capsule(t), device, *form)
         while self.forms:
-            capsule = torch.utils.dlpack.to_dlpack(t)
+            capsule = _to_capsule(t)
             try:
-                return dlpack_import(capsule, device, *self.forms[0])
+                out = dlpack_import(capsule, device, *self.forms[0])
             except TypeError as e:
                 if not matches_no_signature(e):  # the capsule was not consumed: next form
                     raise
                 self.forms.pop(0)
+            else:
+                self.form = self.forms[0]
+                return out
         return jax.dlpack.from_dlpack(t, device=device)
+
+
+_to_capsule = torch.utils.dlpack.to_dlpack
 
 
 # `cpu_array_from_tensor(t, device)`: a contiguous, 64-byte aligned CPU tensor as a JAX
@@ -91,8 +101,8 @@ private("torch.Tensor._version")
 tensor_version = operator.attrgetter("_version")
 
 # torch.func may return a lazy ZeroTensor, which has no storage for DLPack.
-private("torch.Tensor._is_zerotensor")
-is_zerotensor = operator.methodcaller("_is_zerotensor")
+# Unbound methods, called as is_zerotensor(t): a third of operator.methodcaller's cost.
+is_zerotensor = private("torch.Tensor._is_zerotensor")
 
 
 # functorch's interpreter stack: which torch.func transforms are active, and whether a
@@ -321,10 +331,8 @@ storage_use_count = private("torch._C._storage_Use_Count")  # users of a storage
 storage_id = private("torch._C._storage_id")  # a tensor's storage, as an id (no object)
 private("torch.UntypedStorage._cdata")
 storage_cdata = operator.attrgetter("_cdata")  # an UntypedStorage's id
-private("torch.Tensor._use_count")
-tensor_use_count = operator.methodcaller("_use_count")  # references to the TensorImpl
-private("torch.Tensor._is_view")
-is_view = operator.methodcaller("_is_view")
+tensor_use_count = private("torch.Tensor._use_count")  # references to the TensorImpl
+is_view = private("torch.Tensor._is_view")
 private("torch.Tensor._base")
 tensor_base = operator.attrgetter("_base")
 private("torch.ops.aten.add.Tensor._schema")

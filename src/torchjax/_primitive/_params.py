@@ -129,14 +129,16 @@ class BoundParams:
     hashable once, and the signature caches of calls made with them: ``signatures`` keyed
     by (structure, static leaves, avals, x64), ``eager_signatures`` by the same with plain
     shapes and dtypes in place of avals (cheaper to hash). They live and die with the
-    params, so that a dropped function leaves nothing behind in a global cache."""
+    params, so that a dropped function leaves nothing behind in a global cache. ``hot``
+    is a subclass's own shortcut for the next eager call (see torch_call's HotCall)."""
 
-    __slots__ = ("items", "eager_signatures", "signatures")
+    __slots__ = ("items", "eager_signatures", "signatures", "hot")
 
     def __init__(self, items: tuple):
         self.items = items
         self.eager_signatures: dict[tuple, Any] = {}  # Signature, or a subclass's own
         self.signatures: dict[tuple, Signature] = {}
+        self.hot: Any = None
 
     def __reduce__(self) -> Any:
         return (BoundParams, (self.items,))  # the caches are this process's: not sent

@@ -41,6 +41,8 @@ from torchjax._to_jax._outputs import as_jax_tree
 
 _tree = jax.tree_util
 _version = tensor_version
+_is_grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
 
 _WROTE = (
     "a write into its memory, directly or through a view, .data, a storage or an out= "
@@ -108,6 +110,12 @@ class CallPlan:
         self.one_tensor_out = (
             out_tree is not None and out_tree.num_nodes == 1 and out_tree.num_leaves == 1
         )
+        # The signature run() takes a short path for: the user's function called directly,
+        # grad mode off (derived functions need theirs on), one output of known type.
+        # (Unset once it runs on copies.)
+        self.plain = self.direct is not None and self.one_tensor_out and not self.grad_mode
+        if self.plain:
+            self.plain_dtype, self.plain_shape = self.out_dtypes[0], self.out_shapes[0]
         # Set once fn asked a protected input for a writable pointer without writing (a
         # reader such as .numpy() or a compiled kernel): then it runs on copies.
         self.on_copies = False
@@ -150,12 +158,8 @@ class CallPlan:
                 out = as_jax_tree(self.direct(*tensors))
             else:
                 out = self.fn(*_tree.tree_unflatten(self.in_tree, self._fill(tensors)))
-        except TorchJaxError:
-            raise
         except Exception as e:
-            if not is_write_refusal(e):
-                self._raise_failure(e, tensors)
-            refused = True  # handled below, outside this except: no chained traceback
+            refused = self._refused(e, tensors)
         finally:
             set_grad_enabled(grad_was_enabled)
         if refused:
@@ -163,6 +167,15 @@ class CallPlan:
         if any(map(_version, tensors)):
             self._raise_mutated(tensors)
         return out
+
+    def _refused(self, error: Exception, tensors: list[torch.Tensor]) -> bool:
+        """True where fn's `error` is the guard refusing a write (fn then runs on copies,
+        outside the caller's except: no chained traceback); raises anything else."""
+        if isinstance(error, TorchJaxError):
+            raise error
+        if not is_write_refusal(error):
+            self._raise_failure(error, tensors)
+        return True
 
     def _run(self, tensors: list[torch.Tensor]) -> Any:
         grad_was_enabled = torch.is_grad_enabled()
@@ -224,6 +237,7 @@ class CallPlan:
             _WARNED_COPIES.add(self.fn.root)
             warnings.warn(ON_COPIES.format(name=self.name), CopyWarning, stacklevel=2)
         self.on_copies = True
+        self.plain = False
         return out
 
     def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -241,7 +255,44 @@ class CallPlan:
         """__call__; with ``strict=False`` outputs that differ from this plan's types are no
         error (an eager call whose types were a guess from an earlier call): then
         ``(None, [out])``, fn's raw output in a list the caller may empty."""
-        out = self.invoke(tensors)
+        if self.plain:
+            out = self.call_plain(tensors)
+            if type(out) is _Tensor:
+                if out.dtype is self.plain_dtype and out.shape == self.plain_shape:
+                    return [out]  # checked
+            else:
+                out = as_jax_tree(out)
+        else:
+            out = self.invoke(tensors)
+        return self._check_outputs(out, strict)
+
+    def call_plain(self, tensors: list[torch.Tensor]) -> Any:
+        """invoke() for a plain plan (`plain`: the user's function called directly, grad
+        mode off), its steps inlined: this runs on every call. Grad mode is switched only
+        where it is on. Returns fn's output unchecked."""
+        for t in tensors:
+            refuse_writes(t)
+        grad_was_enabled = _is_grad_enabled()
+        if grad_was_enabled:
+            set_grad_enabled(False)
+        refused = False
+        try:
+            out = self.direct(*tensors)
+        except Exception as e:
+            refused = self._refused(e, tensors)
+        finally:
+            if grad_was_enabled:
+                set_grad_enabled(True)
+        if refused:
+            return self._invoke_on_copies(tensors, compare=True)
+        for t in tensors:
+            if _version(t):
+                self._raise_mutated(tensors)
+        return out
+
+    def _check_outputs(self, out: Any, strict: bool) -> Any:
+        """run's output checks, on fn's output `out` (the only reference to it: see
+        owns_memory_alone)."""
         if self.one_tensor_out and type(out) is torch.Tensor and not self.grad_mode:
             if out.dtype is self.out_dtypes[0] and out.shape == self.out_shapes[0]:
                 return [out]  # the common case, checked

@@ -7,14 +7,15 @@
 # next calls try a typed plan made from those and fall back where their outputs differ.
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import torch
 
-from torchjax._compat._jax import array_committed, sharding_device
-from torchjax._compat._torch import is_fake
-from torchjax._convert import ArrayImpl, array_to_tensor, torch_dtype
+from torchjax._compat._jax import array_committed, at_top_level, dlpack_export, sharding_device
+from torchjax._compat._torch import is_fake, tensor_from_capsule
+from torchjax._convert import ArrayImpl, array_to_tensor, tensor_to_jax, torch_dtype
 from torchjax._errors import ConversionError
 from torchjax._primitive._params import ARRAY, eager_type, store
 from torchjax._to_jax._call_plan import (
@@ -27,10 +28,14 @@ from torchjax._to_jax._call_plan import (
 )
 from torchjax._to_jax._callables import UserFunction
 from torchjax._to_jax._fake_run import fake_runs, output_struct, real_mode
+from torchjax._to_jax._guard import owns_memory_alone
+from torchjax._to_jax._outputs import as_jax_tree
 from torchjax._to_jax._rule_abstract_eval import DTYPES_OK, check_input_dtype, check_no_tensor
 
 _SingleDevice = jax.sharding.SingleDeviceSharding
 _tree = jax.tree_util
+_from_capsule, _export = tensor_from_capsule, dlpack_export
+_inference_mode = torch.is_inference_mode_enabled
 
 
 class Untyped:
@@ -60,11 +65,103 @@ def bind_eager(
             signature = prim._signature(bound, in_tree, statics, avals)
         store(bound.eager_signatures, key, signature)
     if type(signature) is Untyped:
-        return real_run(operands, in_tree, statics, bound.items, signature.memo)
-    out_flat = impl(
-        operands, in_tree=in_tree, statics=statics, signature=signature, params=bound.items
-    )
-    return _tree.tree_unflatten(signature.out_tree, out_flat)
+        out = real_run(operands, in_tree, statics, bound.items, signature.memo)
+    else:
+        out_flat = impl(
+            operands, in_tree=in_tree, statics=statics, signature=signature, params=bound.items
+        )
+        out = _tree.tree_unflatten(signature.out_tree, out_flat)
+    if bound.hot is None or bound.hot.signature is not signature:
+        bound.hot = HotCall.of(operands, in_tree, statics, x64, signature)
+    return out
+
+
+class HotCall:
+    """The last eager signature of a function called with JAX CPU arrays as its positional
+    arguments and nothing else, whose call plan is plain (see CallPlan.plain): its next
+    call with arrays of the same types (avals) goes straight to the plan, past the
+    flattening, hashing and lookups of a bind, with the plan's checks and the output's
+    conversion inlined (to_jax's wrapper tries it first). Any other call returns MISS and
+    takes the full way.
+    """
+
+    __slots__ = ("avals", "x64", "x64_value", "signature", "in_tree", "statics", "plan")
+
+    @staticmethod
+    def of(operands: list, in_tree: Any, statics: tuple, x64: Any, signature: Any):
+        """The HotCall of this eager call, or None where it has another form."""
+        n = len(operands)
+        if _export is None or len(statics) != n or in_tree != _positional(n):
+            return None  # static leaves, a nested or keyword tree
+        for x in operands:
+            if type(x) is not ArrayImpl or x.platform() != "cpu":
+                return None
+        memo = signature.memo
+        plan = memo.get("typed") if type(signature) is Untyped else memo.get("plan")
+        if plan is None or not plan.plain:
+            return None
+        hot = HotCall()
+        hot.avals, hot.x64, hot.x64_value = tuple(x.aval for x in operands), x64, x64.value
+        hot.in_tree, hot.statics, hot.signature, hot.plan = in_tree, statics, signature, plan
+        return hot
+
+    def __call__(self, args: tuple) -> Any:
+        """The call's output, or MISS where `args` or the context are not those of this
+        signature (a trace is active, a fake run, inference mode, x64 changed)."""
+        avals = self.avals
+        if len(args) != len(avals) or self.x64.value != self.x64_value:
+            return MISS
+        if not at_top_level() or fake_runs.depth or _inference_mode():
+            return MISS
+        committed = False
+        for x, aval in zip(args, avals, strict=True):
+            if type(x) is not ArrayImpl or x.aval != aval or x.platform() != "cpu":
+                return MISS
+            committed = committed or array_committed(x)
+        plan = self.plan
+        if not plan.plain:  # it ran on copies since
+            return MISS
+        device = _committed_device(args, plan) if committed else None
+        out = plan.call_plain([_from_capsule(_export(x, stream=None)) for x in args])
+        if type(out) is torch.Tensor and out.dtype is plan.plain_dtype:
+            if out.shape == plan.plain_shape and owns_memory_alone(out, 1):
+                return tensor_to_jax(out, plan.out_paths[0], device)
+        return self._rest(out, device)
+
+    def _rest(self, out: Any, device: Any) -> Any:
+        """The call after fn returned `out`, where the inlined steps do not cover it."""
+        plan, signature = self.plan, self.signature
+        if type(out) is not torch.Tensor:
+            out = as_jax_tree(out)
+        box = [out]
+        del out  # the output's references are now in `box` alone
+        if type(signature) is not Untyped:
+            outs = to_jax_outputs(plan._check_outputs(box.pop(), True), plan.out_paths, device)
+            return _tree.tree_unflatten(signature.out_tree, outs)
+        results = plan._check_outputs(box.pop(), strict=False)  # plan: the memo's typed one
+        if type(results) is list:
+            return _tree.tree_unflatten(
+                plan.out_tree, to_jax_outputs(results, plan.out_paths, device)
+            )
+        memo = signature.memo
+        return _untyped_outputs(memo["plan"], results[1], device, memo, self.in_tree, self.statics)
+
+
+class _Miss:
+    """HotCall's answer for a call it does not cover."""
+
+    def __reduce__(self) -> str:
+        # By reference: a wrapper pickled by value (cloudpickle) compares with this one.
+        return "MISS"
+
+
+MISS = _Miss()
+
+
+@functools.lru_cache(maxsize=64)
+def _positional(n: int) -> Any:
+    """The argument structure of ``fn(x_1, ..., x_n)``: (args, kwargs) as bind sees it."""
+    return _tree.tree_structure((tuple(range(n)), {}))
 
 
 def _eagerplan_for(in_tree: Any, statics: tuple, signature: Any, params: tuple) -> CallPlan:
@@ -188,12 +285,18 @@ def _run_untyped(plan, typed, tensors, device, memo, in_tree, statics) -> Any:
     if typed is not None:
         results = typed.run(tensors, strict=False)
         if type(results) is list:
-            return _tree.tree_unflatten(
-                typed.out_tree, to_jax_outputs(results, typed.out_paths, device)
-            )
+            outs = to_jax_outputs(results, typed.out_paths, device)
+            if typed.one_tensor_out:
+                return outs[0]
+            return _tree.tree_unflatten(typed.out_tree, outs)
         box = results[1]
     else:
         box = [plan.invoke(tensors)]
+    return _untyped_outputs(plan, box, device, memo, in_tree, statics)
+
+
+def _untyped_outputs(plan, box, device, memo, in_tree, statics) -> Any:
+    """The outputs of an untyped call whose raw output is in `box`, taken as they are."""
     results, out_tree, paths = _typed_outputs(plan, box)
     outs = to_jax_outputs(results, paths, device)
     if "typed" not in memo:

@@ -49,6 +49,7 @@ Run = Callable[[list[torch.Tensor]], Sequence[Any]]
 
 
 _DL_CPU = 1  # DLPack's kDLCPU
+_inference_mode = torch.is_inference_mode_enabled
 _refs = sys.getrefcount  # references: `tensors`, the loop variable, getrefcount's argument
 
 
@@ -56,7 +57,8 @@ def write_output(dst: torch.Tensor, value: torch.Tensor, where: str) -> None:
     """Copy one checked torch result into XLA's output buffer (the one copy on this path).
 
     `run` has checked shape and dtype; a dtype that still differs is a 64-bit result
-    narrowed because JAX's x64 mode is off, and it must fit.
+    narrowed because JAX's x64 mode is off, and it must fit. A tensor without data (meta,
+    sparse) is named by its path.
     """
     if value.dtype is not dst.dtype:
         value = narrow_checked(value, dst.dtype, where)
@@ -86,48 +88,74 @@ def callback_call(
     With `share_outputs` (a VJP through a kept graph), XLA's output buffers are offered to
     the call (OUTPUT_BUFFERS): a gradient it writes there itself, returned as that buffer,
     is not copied again, and torch's own is freed as soon as it was written."""
-    run = _notes_in_message(run)
     if not USE_BUFFER_CALLBACK:
-        return _pure_callback_call(run, operands, out_structs, out_paths)
+        return _pure_callback_call(_notes_in_message(run), operands, out_structs, out_paths)
     on_cpu = None  # fixed by the first call: a buffer_callback is lowered for one platform
+    one_out = len(out_structs) == 1
+    out_dtype = torch_dtype(out_structs[0].dtype) if one_out else None
 
     def host(ctx: Any, outs: list, *ins: Any) -> None:
+        try:
+            if on_cpu and not share_outputs and not _inference_mode():
+                # The CPU path, inlined: this runs on every call of a jitted function.
+                tensors = [tensor_from_capsule(b.__dlpack__()) for b in ins]
+                results = run(tensors)
+                if one_out:
+                    value = results[0]
+                    results = None
+                    dst = tensor_from_capsule(outs[0].__dlpack__())
+                    if value.dtype is not out_dtype:
+                        write_output(dst, value, out_paths[0])
+                    else:
+                        try:
+                            dst.copy_(value)
+                        except Exception:
+                            check_has_data(value, out_paths[0])  # meta or sparse: say which
+                            raise
+                    value = dst = None
+                else:
+                    for buf, value, where in zip(outs, results, out_paths, strict=True):
+                        dst = tensor_from_capsule(buf.__dlpack__())
+                        if value.dtype is not dst.dtype:
+                            write_output(dst, value, where)
+                        else:
+                            try:
+                                dst.copy_(value)
+                            except Exception:
+                                check_has_data(value, where)  # meta or sparse: say which
+                                raise
+                    results = value = dst = None  # (not del: with no outputs, never bound)
+                # An input the function kept a reference to (a cache, a hook) gets memory of
+                # its own before XLA reuses the buffer; the common case (none kept) inlined.
+                for t in tensors:
+                    if _refs(t) != 3 or tensor_use_count(t) != 1 or _uses(_storage_id(t)) != 1:
+                        del t  # copy_kept_inputs counts the references to each input
+                        copy_kept_inputs(tensors)
+                        break
+            else:
+                _host(ctx, outs, ins)
+        except Exception as e:
+            _move_notes(e)
+            raise
+
+    def _host(ctx: Any, outs: list, ins: tuple) -> None:
         nonlocal on_cpu
-        if torch.is_inference_mode_enabled():
+        if _inference_mode():
             # A jitted call made inside torch.inference_mode() runs its callback there too:
             # its tensors would have no version counters, which the in-place check reads.
             with torch.inference_mode(False):
                 return host(ctx, outs, *ins)
         if on_cpu is None:
             on_cpu = (ins or outs)[0].__dlpack_device__()[0] == _DL_CPU
+            if on_cpu and not share_outputs:
+                return host(ctx, outs, *ins)
         if not on_cpu:
             with _xla_stream(ctx, (ins or outs)[0]):
                 _run_into(run, ins, outs, out_paths, _buffer_tensor, share_outputs)
-            return
-        # The CPU path, inlined: this runs on every call of a jitted function.
-        tensors = [tensor_from_capsule(b.__dlpack__()) for b in ins]
-        if share_outputs:
-            _run_sharing_outputs(run, tensors, outs, out_paths)
-            return
-        results = run(tensors)
-        for buf, value, where in zip(outs, results, out_paths, strict=True):
-            dst = tensor_from_capsule(buf.__dlpack__())
-            if value.dtype is not dst.dtype:
-                write_output(dst, value, where)
-            else:
-                try:
-                    dst.copy_(value)
-                except Exception:
-                    check_has_data(value, where)  # a meta or sparse output: say which
-                    raise
-        results = value = dst = None  # (not del: with no outputs they were never bound)
-        # An input the function kept a reference to (a cache, a hook) gets memory of its own
-        # before XLA reuses the buffer; the common case (none kept) inlined.
-        for t in tensors:
-            if _refs(t) != 3 or tensor_use_count(t) != 1 or _uses(_storage_id(t)) != 1:
-                del t  # copy_kept_inputs counts the references to each input
-                copy_kept_inputs(tensors)
-                break
+        else:
+            _run_sharing_outputs(
+                run, [tensor_from_capsule(b.__dlpack__()) for b in ins], outs, out_paths
+            )
 
     return buffer_callback(host, list(out_structs))(*operands)
 
@@ -138,19 +166,24 @@ def _buffer_tensor(buf: Any) -> torch.Tensor:
     return tensor_from_capsule(buf.__dlpack__())
 
 
+def _move_notes(e: Exception) -> None:
+    """Move an exception's notes into its message: XLA reports an exception raised in a
+    host callback by its traceback and message alone (a JaxRuntimeError), and the notes
+    say what torchjax knows of the cause (int32 indices with x64 off, say)."""
+    notes = getattr(e, "__notes__", None)
+    if notes and len(e.args) <= 1 and type(e).__str__ is BaseException.__str__:
+        e.args = ("\n".join([str(e), *notes]),)
+        del e.__notes__
+
+
 def _notes_in_message(run: Run) -> Run:
-    """`run`, its exceptions' notes moved into their messages: XLA reports an exception
-    raised in a host callback by its traceback and message alone (a JaxRuntimeError), and
-    the notes say what torchjax knows of the cause (int32 indices with x64 off, say)."""
+    """`run`, its exceptions' notes moved into their messages (see _move_notes)."""
 
     def call(tensors: list[torch.Tensor]) -> Sequence[Any]:
         try:
             return run(tensors)
         except Exception as e:
-            notes = getattr(e, "__notes__", None)
-            if notes and len(e.args) <= 1 and type(e).__str__ is BaseException.__str__:
-                e.args = ("\n".join([str(e), *notes]),)
-                del e.__notes__
+            _move_notes(e)
             raise
 
     return call
@@ -217,5 +250,5 @@ def lowering(*args: Any, fn: Any, options: Any, signature: Any) -> Any:
     share = (type(fn) is VjpFunction and fn.with_residuals and not fn.ct_batch) or (
         type(fn) is BatchedTapedVjp
     )
-    outs = callback_call(plan, operands, plan.structs, plan.out_paths, share)
+    outs = callback_call(plan.run, operands, plan.structs, plan.out_paths, share)
     return jax.tree_util.tree_unflatten(plan.out_tree, outs)

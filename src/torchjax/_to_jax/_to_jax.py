@@ -16,6 +16,7 @@ from torchjax._convert import is_array
 from torchjax._errors import ArgumentError, StaticArgumentError
 from torchjax._to_jax._callables import UserFunction
 from torchjax._to_jax._options import GradMethod, Options, VmapMethod, VmapRandomness
+from torchjax._to_jax._rule_impl import MISS
 from torchjax._to_jax._torch_call import torch_call_p
 
 
@@ -122,6 +123,11 @@ def to_jax(
     @functools.wraps(fn)
     @traceback_boundary  # an error's traceback starts at the user's call
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        hot = params.hot  # the last eager signature's shortcut (see HotCall)
+        if hot is not None and not kwargs:
+            out = hot(args)
+            if out is not MISS:
+                return out
         try:
             return torch_call_p._bind((args, kwargs), params)
         except StaticArgumentError:

@@ -45,6 +45,7 @@ class Spec:
     ):
         self.name, self.fn = name, fn
         self.in_avals, self.in_paths = tuple(in_avals), tuple(paths)
+        self.out_where = f"{name} output"
         self.jitted = jax.jit(fn)
         try:
             # Shapes without running: torch needs them to mark outputs and for fake kernels.
@@ -80,11 +81,13 @@ class Spec:
         seen = {t.data_ptr() for t in tensors}
         result = []
         for o in outs:
-            t = array_to_tensor(o, f"{self.name} output")
+            t = array_to_tensor(o, self.out_where)
             if t.numel():
-                if t.data_ptr() in seen:
+                ptr = t.data_ptr()
+                if ptr in seen:
                     t = t.clone()
-                seen.add(t.data_ptr())
+                    ptr = t.data_ptr()
+                seen.add(ptr)
             result.append(t)
         return tuple(result)
 

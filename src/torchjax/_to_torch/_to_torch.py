@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import torch
 
+from torchjax._compat._jax import jax_config
 from torchjax._compat._torch import (
     forward_ad_active,
     functorch_transforms_active,
@@ -28,6 +29,7 @@ from torchjax._errors import ArgumentError, ConversionError, JaxOutputError, Sta
 from torchjax._to_torch._spec import Spec, run_spec
 
 _tree = jax.tree_util
+_x64 = jax_config.enable_x64
 
 __all__ = ["to_torch"]
 
@@ -228,6 +230,19 @@ def _build_spec(
     return spec, out_tree[0]
 
 
+def _run(spec: Spec, out_tree: Any, tensors: tuple | list) -> Any:
+    """One call of `spec` on the call's tensors, through autograd where it is needed."""
+    if not spec.out_avals:
+        outs: tuple = ()
+    elif _needs_autograd(tensors):
+        outs = _JaxFunction.apply(spec, *tensors)
+    else:
+        outs = run_spec(spec, tuple(tensors))
+    if out_tree.num_leaves == 1 and out_tree.num_nodes == 1:
+        return outs[0]  # a single array: nothing to rebuild
+    return _tree.tree_unflatten(out_tree, outs)
+
+
 @overload
 def to_torch(jax_fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]: ...
 
@@ -299,11 +314,23 @@ def to_torch(jax_fn: Callable[..., Any] | None = None, *, has_aux: bool = False)
         )
     name = getattr(jax_fn, "__qualname__", None) or type(jax_fn).__qualname__
     cache: dict[tuple, tuple[Spec, Any]] = {}
+    # The last signature called with tensors alone, positionally: (shapes and dtypes, x64,
+    # spec, out_tree). A call of the same types skips the flattening and the cache's
+    # hashing: the key it would build is the one the spec was found by.
+    hot: list = [None]
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        last = hot[0]
+        if last is not None and not kwargs and len(args) == len(last[0]):
+            for a, (shape, dtype) in zip(args, last[0], strict=True):
+                if not isinstance(a, torch.Tensor) or a.dtype is not dtype or a.shape != shape:
+                    break
+            else:
+                if last[1] == _x64.value:
+                    return _run(last[2], last[3], args)
         leaves, treedef = _tree.tree_flatten((args, kwargs))
         tensors = []
-        key: list[Any] = [treedef, jax.config.jax_enable_x64]
+        key: list[Any] = [treedef, _x64.value]
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 tensors.append(leaf)
@@ -323,13 +350,10 @@ def to_torch(jax_fn: Callable[..., Any] | None = None, *, has_aux: bool = False)
             if key is not None:
                 cache[tuple(key)] = hit
         spec, out_tree = hit
-        if not spec.out_avals:
-            outs: tuple = ()
-        elif _needs_autograd(tensors):
-            outs = _JaxFunction.apply(spec, *tensors)
-        else:
-            outs = run_spec(spec, tuple(tensors))
-        return _tree.tree_unflatten(out_tree, outs)
+        if key is not None and not kwargs and len(tensors) == len(args):
+            types = tuple((t.shape, t.dtype) for t in tensors)
+            hot[0] = (types, key[1], spec, out_tree)
+        return _run(spec, out_tree, tensors)
 
     # torch.compile: Dynamo cannot trace jax's C++ pytree code, so it records a call to
     # `wrapped` in the graph and runs it on fake tensors, where `forward` emits the custom

@@ -1,0 +1,314 @@
+"""The shortcuts a repeated call takes: the same checks, errors and results as a first call.
+
+An eager to_jax call whose signature was seen last (JAX CPU arrays as positional arguments,
+one tensor out) skips the bind (HotCall); a to_torch call of tensors alone skips the
+flattening and the cache's hashing. Each test makes a first call, then checks that the next
+one took the shortcut (the bind or the flattening is counted) and still behaves as a first
+call would: against jax.numpy or torch on the same values, and against the caller's arrays
+copied before the call.
+"""
+
+import concurrent.futures
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import torchjax
+from torchjax._to_jax._torch_call import torch_call_p
+from torchjax._to_torch import _to_torch
+from torchjax.errors import CopyWarning, InPlaceMutationError, OutputMismatchError
+
+pytestmark = pytest.mark.core
+
+
+@pytest.fixture
+def binds(monkeypatch):
+    """The number of to_jax calls that went through the bind (the full way)."""
+    count = [0]
+    full = torch_call_p._bind
+
+    def counted(*args):
+        count[0] += 1
+        return full(*args)
+
+    monkeypatch.setattr(torch_call_p, "_bind", counted)
+    return count
+
+
+def test_a_repeated_eager_call_skips_the_bind_and_a_new_signature_does_not(binds):
+    f = torchjax.to_jax(lambda a, b: torch.sin(a) * b)
+    x, y = jnp.arange(4.0), jnp.full(4, 3.0)
+    for _ in range(3):
+        np.testing.assert_allclose(f(x, y), jnp.sin(x) * y, rtol=1e-6)
+    assert binds[0] == 1
+    np.testing.assert_allclose(f(x[:3], y[:3]), jnp.sin(x[:3]) * y[:3], rtol=1e-6)
+    np.testing.assert_allclose(f(x.astype(jnp.int32), y), jnp.sin(x) * y, rtol=1e-6)
+    assert binds[0] == 3
+    f(x, y)
+    assert binds[0] == 4  # the shortcut is the last signature's only
+
+
+def _data(t):
+    t.data.mul_(2)
+
+
+def _storage(t):
+    t.untyped_storage().fill_(0)
+
+
+def _setitem(t):
+    t[0] = 7.0
+
+
+def _out(t):
+    torch.add(t, 1, out=t)
+
+
+def _view_op(t):
+    t.unsqueeze_(0)
+
+
+@pytest.mark.parametrize(
+    "route", [_data, _storage, _setitem, _out, _view_op], ids=lambda r: r.__name__
+)
+def test_a_write_on_a_repeated_call_is_refused(binds, route):
+    def f(t):
+        if t.sum() > 0:  # only the second call's values write
+            route(t)
+        return t * 1
+
+    wrapped = torchjax.to_jax(f)
+    wrapped(jnp.zeros(4))
+    x = jnp.arange(4.0)
+    with pytest.raises(InPlaceMutationError, match=r"args\[0\]"):
+        wrapped(x)
+    np.testing.assert_array_equal(x, np.arange(4.0))
+    assert binds[0] == 1
+
+
+def test_a_reader_on_a_repeated_call_runs_on_copies(binds):
+    def f(t):
+        if t.sum() > 0:
+            return torch.from_numpy(t.numpy() * 2)  # asks for a writable pointer
+        return t * 2
+
+    wrapped = torchjax.to_jax(f)
+    wrapped(jnp.zeros(4))
+    x = jnp.arange(4.0)
+    with pytest.warns(CopyWarning):
+        np.testing.assert_array_equal(wrapped(x), np.arange(4.0) * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(wrapped(x), np.arange(4.0) * 2)  # on copies, quietly
+    np.testing.assert_array_equal(x, np.arange(4.0))
+    # The second call took the shortcut; after its run on copies the plan is no longer
+    # plain, so the third took the full way (which runs on copies, as it did before).
+    assert binds[0] == 2
+
+
+def test_outputs_torch_keeps_are_copied_on_a_repeated_call(binds):
+    weight = torch.arange(4.0)
+    cache = []
+
+    def cached(t):
+        y = t * 2
+        cache.append(y)
+        return y
+
+    cases = [
+        (lambda t: t, None),  # the input itself: JAX's array, which the caller holds
+        (lambda t: weight, lambda: weight.add_(100)),
+        (lambda t: weight.detach()[:4], lambda: weight.add_(100)),
+        (cached, lambda: [c.add_(100) for c in cache]),
+    ]
+    for fn, change in cases:
+        wrapped = torchjax.to_jax(fn)
+        wrapped(jnp.zeros(4))
+        x = jnp.arange(4.0)
+        out = wrapped(x)
+        expected = np.array(out)
+        if change is not None:
+            change()
+        np.testing.assert_array_equal(out, expected)
+    assert binds[0] == len(cases)
+
+
+def test_a_fresh_output_stays_zero_copy_on_a_repeated_call(binds):
+    seen = []
+
+    def f(t):
+        y = t * 2
+        seen.append(y.const_data_ptr())
+        return y
+
+    wrapped = torchjax.to_jax(f)
+    wrapped(jnp.ones(1024))
+    assert wrapped(jnp.ones(1024)).unsafe_buffer_pointer() == seen[-1]
+    assert binds[0] == 1
+
+
+def test_an_output_that_changes_with_the_values(binds):
+    def f(t):  # an untyped function: shape, dtype and structure follow the values
+        n = int(t[0])
+        if n == 1:
+            return t.long()
+        if n == 2:
+            return (t[:2], t.sum())
+        return t[:n]
+
+    wrapped = torchjax.to_jax(f)
+    x = jnp.array([3.0, 1.0, 2.0, 4.0])
+    np.testing.assert_array_equal(wrapped(x), x[:3])
+    for first, expected in [(4.0, x.at[0].set(4.0)), (1.0, x.at[0].set(1.0).astype(jnp.int32))]:
+        got = wrapped(x.at[0].set(first))
+        assert got.dtype == expected.dtype
+        np.testing.assert_array_equal(got, expected)
+    pair = wrapped(x.at[0].set(2.0))
+    np.testing.assert_array_equal(pair[0], [2.0, 1.0])
+    assert float(pair[1]) == 9.0
+    np.testing.assert_array_equal(wrapped(x), x[:3])
+    assert binds[0] == 1
+
+
+def test_a_declared_output_is_checked_on_a_repeated_call(binds):
+    def f(t):
+        return t if t.sum() == 0 else t[:2]  # the second call's output breaks the declaration
+
+    wrapped = torchjax.to_jax(f, result_shape_dtypes=jax.ShapeDtypeStruct((4,), jnp.float32))
+    np.testing.assert_array_equal(wrapped(jnp.zeros(4)), np.zeros(4))
+    with pytest.raises(OutputMismatchError, match=r"float32\[2\] at out.*float32\[4\]"):
+        wrapped(jnp.arange(4.0))
+    assert binds[0] == 1
+
+
+def test_outputs_that_need_converting_on_a_repeated_call(binds):
+    w = torch.ones(4, requires_grad=True)
+
+    def grad_inside(t):
+        with torch.enable_grad():
+            return t * w  # requires grad: detached on the way out
+
+    wrapped = torchjax.to_jax(grad_inside)
+    conj = torchjax.to_jax(lambda t: t.conj())
+    negated = torchjax.to_jax(lambda t: torch._neg_view(t))
+    strided = torchjax.to_jax(lambda t: (t * 1).view(2, 2).t())
+    z = jnp.array([1 + 2j, 3 - 1j])
+    x = jnp.arange(4.0)
+    for _ in range(2):
+        np.testing.assert_array_equal(wrapped(x), x)
+        np.testing.assert_array_equal(conj(z), jnp.conj(z))
+        np.testing.assert_array_equal(negated(x), -x)
+        np.testing.assert_array_equal(strided(x), x.reshape(2, 2).T)
+    assert binds[0] == 4
+
+
+def test_a_repeated_call_under_transforms_and_modes():
+    f = torchjax.to_jax(lambda t: torch.sin(t) * 2)
+    x = jnp.linspace(0.0, 1.0, 4)
+    f(x)
+    np.testing.assert_allclose(jax.jit(f)(x), jnp.sin(x) * 2, rtol=1e-6)
+    np.testing.assert_allclose(jax.vmap(f)(x[None]), jnp.sin(x)[None] * 2, rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda v: f(v).sum())(x), 2 * jnp.cos(x), rtol=1e-6)
+    with torch.inference_mode():
+        np.testing.assert_allclose(f(x), jnp.sin(x) * 2, rtol=1e-6)
+    with torch.no_grad():
+        np.testing.assert_allclose(f(x), jnp.sin(x) * 2, rtol=1e-6)
+    double = torchjax.to_jax(lambda t: t.double())
+    z = jnp.zeros(2, jnp.float32)
+    assert double(z).dtype == jnp.float32
+    with jax.enable_x64(True):
+        assert double(z).dtype == jnp.float64
+        assert double(z).dtype == jnp.float64
+    assert double(z).dtype == jnp.float32
+
+
+def test_the_users_exception_on_a_repeated_call_is_theirs(binds):
+    def f(t):
+        if t.sum() > 0:
+            raise ValueError("the user's own message")
+        return t + 1
+
+    wrapped = torchjax.to_jax(f)
+    wrapped(jnp.zeros(3))
+    with pytest.raises(ValueError, match="the user's own message"):
+        wrapped(jnp.ones(3))
+    assert binds[0] == 1
+
+
+def test_repeated_calls_from_threads():
+    f = torchjax.to_jax(lambda a, b: a * b + 1)
+    f(jnp.ones(8), jnp.ones(8))
+
+    def work(k):
+        xs = [jnp.full(8, float(k * 100 + i)) for i in range(50)]
+        return all(bool((f(x, x) == x * x + 1).all()) for x in xs)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(8)))
+
+
+def test_python_numbers_take_the_full_way(binds):
+    f = torchjax.to_jax(lambda t, s: t * s)
+    for s in (2.0, 2.0, 3):
+        np.testing.assert_array_equal(f(jnp.arange(3.0), s), np.arange(3.0) * s)
+    assert binds[0] == 3
+
+
+# -- to_torch ---------------------------------------------------------------------------------
+@pytest.fixture
+def flattens(monkeypatch):
+    """The number of to_torch calls that flattened their arguments (the full way)."""
+    count = [0]
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(jax.tree_util, name)
+
+        def tree_flatten(self, tree, *args, **kwargs):
+            if isinstance(tree, tuple) and len(tree) == 2 and isinstance(tree[1], dict):
+                count[0] += 1  # a call's (args, kwargs)
+            return jax.tree_util.tree_flatten(tree, *args, **kwargs)
+
+    monkeypatch.setattr(_to_torch, "_tree", Counting())
+    return count
+
+
+def test_a_repeated_to_torch_call_skips_the_flattening(flattens):
+    f = torchjax.to_torch(lambda a, b: jnp.sin(a) * b)
+    a, b = torch.linspace(0, 1, 5), torch.full((5,), 3.0)
+    for _ in range(3):
+        torch.testing.assert_close(f(a, b), torch.sin(a) * b)
+    assert flattens[0] == 1
+    torch.testing.assert_close(f(a.double(), b), (torch.sin(a) * b))  # float64 -> float32
+    torch.testing.assert_close(f(a[:3], b[:3]), torch.sin(a[:3]) * b[:3])
+    torch.testing.assert_close(f(a, b=b), torch.sin(a) * b)
+    assert flattens[0] == 4
+
+
+def test_a_repeated_to_torch_call_differentiates(flattens):
+    f = torchjax.to_torch(lambda a: jnp.sin(a).sum())
+    a = torch.linspace(0, 1, 5)
+    f(a)
+    p = torch.nn.Parameter(a.clone())
+    f(p).backward()
+    torch.testing.assert_close(p.grad, torch.cos(a))
+    torch.testing.assert_close(torch.func.grad(f)(a), torch.cos(a))
+    torch.testing.assert_close(torch.func.vmap(f)(a[None]), torch.sin(a).sum()[None])
+    with torch.no_grad():
+        assert not f(p).requires_grad
+    assert flattens[0] == 1
+
+
+def test_x64_is_part_of_a_repeated_to_torch_call(flattens):
+    f = torchjax.to_torch(lambda a: a * 2)
+    a = torch.arange(3, dtype=torch.float64)
+    assert f(a).dtype == torch.float32
+    with jax.enable_x64(True):
+        assert f(a).dtype == torch.float64
+        assert f(a).dtype == torch.float64
+    assert f(a).dtype == torch.float32
+    assert flattens[0] == 3
