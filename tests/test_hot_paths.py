@@ -9,6 +9,8 @@ copied before the call.
 """
 
 import concurrent.futures
+import os
+import traceback
 import warnings
 
 import jax
@@ -23,6 +25,7 @@ from torchjax._to_torch import _to_torch
 from torchjax.errors import CopyWarning, InPlaceMutationError, OutputMismatchError
 
 pytestmark = pytest.mark.core
+PACKAGE = os.path.dirname(torchjax.__file__)
 
 
 @pytest.fixture
@@ -237,6 +240,24 @@ def test_the_users_exception_on_a_repeated_call_is_theirs(binds):
     with pytest.raises(ValueError, match="the user's own message"):
         wrapped(jnp.ones(3))
     assert binds[0] == 1
+
+
+def test_the_traceback_of_a_repeated_call_shows_the_users_frames_only():
+    def users_function(t):
+        if t.sum() > 0:
+            raise ValueError("the user's own message")
+        return t + 1
+
+    wrapped = torchjax.to_jax(users_function)
+    names = []
+    for x in (jnp.ones(3), jnp.zeros(3), jnp.ones(3)):  # the full way, then the shortcut
+        try:
+            wrapped(x)
+        except ValueError as e:
+            frames = traceback.extract_tb(e.__traceback__)
+            names.append([f.name for f in frames if f.filename.startswith(PACKAGE)])
+            assert frames[-1].name == "users_function"
+    assert names == [[], []]
 
 
 def test_repeated_calls_from_threads():

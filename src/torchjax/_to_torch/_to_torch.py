@@ -30,6 +30,7 @@ from torchjax._to_torch._spec import Spec, run_spec
 
 _tree = jax.tree_util
 _x64 = jax_config.enable_x64
+_grad_enabled = torch.is_grad_enabled
 
 __all__ = ["to_torch"]
 
@@ -156,9 +157,11 @@ class _JaxFunction(torch.autograd.Function):
 
 def _needs_autograd(tensors: list[torch.Tensor]) -> bool:
     """Whether a call must go through autograd.Function (otherwise run the spec directly)."""
-    if functorch_transforms_active() or forward_ad_active():
-        return True
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if _grad_enabled():
+        for t in tensors:
+            if t.requires_grad:
+                return True
+    return functorch_transforms_active() or forward_ad_active()
 
 
 def _build_spec(
