@@ -435,6 +435,16 @@ for h in (torchjax.to_jax(lambda a, b: a + b), add):
         assert "args[1] is committed to" in str(e), e
     else:
         raise AssertionError("no error for inputs on two devices")
+from jax.sharding import NamedSharding, PartitionSpec
+mesh = jax.make_mesh((2,), ("d",))
+sharded = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, PartitionSpec("d")))
+g(jnp.arange(4.0))  # the shortcut's signature: the same shape and dtype, on one device
+try:
+    g(sharded)
+except torchjax.errors.ConversionError as e:
+    assert "args[0] is sharded over 2 devices" in str(e), e
+else:
+    raise AssertionError("no error for a sharded input on a repeated call")
 print("devices ok")
 """
 

@@ -180,11 +180,12 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value", device: Any = None) -> 
       A ``jax.Array`` on the matching device. It aliases ``t``'s memory when ``t`` is
       contiguous and 64-byte aligned and keeps its dtype; otherwise it is one copy.
     """
+    if t.requires_grad:
+        t = t.detach()
     if (
         t.is_cpu
-        and t.dtype in _KEPT_DTYPES
+        and (t.dtype in _KEPT_DTYPES or (_x64.value and t.dtype in _TORCH_TO_NUMPY))
         and t.layout is _strided
-        and not t.requires_grad
         and t.is_contiguous()
         and not t.const_data_ptr() % 64
         and not t.is_conj()
@@ -194,8 +195,6 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value", device: Any = None) -> 
         if device is None or device.platform != "cpu":
             device = _jax_cpu_device()
         return cpu_array_from_tensor(t, device)
-    if t.requires_grad:
-        t = t.detach()
     if t.layout != torch.strided:
         check_has_data(t, where)
     jax_dtype(t.dtype)  # raise early, with the table, for unsupported dtypes

@@ -96,6 +96,8 @@ class HotCall:
         for x in operands:
             if type(x) is not ArrayImpl or x.platform() != "cpu":
                 return None
+            if type(x.sharding) is not _SingleDevice:
+                return None
         memo = signature.memo
         plan = memo.get("typed") if type(signature) is Untyped else memo.get("plan")
         if plan is None or not plan.plain:
@@ -116,6 +118,8 @@ class HotCall:
         committed = False
         for x, aval in zip(args, avals, strict=True):
             if type(x) is not ArrayImpl or x.aval != aval or x.platform() != "cpu":
+                return MISS
+            if type(x.sharding) is not _SingleDevice:  # a sharded array: the full way says so
                 return MISS
             committed = committed or array_committed(x)
         plan = self.plan
