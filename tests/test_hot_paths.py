@@ -154,6 +154,24 @@ def test_a_fresh_output_stays_zero_copy_on_a_repeated_call(binds):
     assert binds[0] == 1
 
 
+def test_an_output_of_another_type_stays_zero_copy_on_a_repeated_call(binds):
+    seen = []
+
+    def f(t):
+        y = t[: int(t[0])] * 2  # a fresh tensor whose shape follows the values
+        seen.append(y.const_data_ptr())
+        return y
+
+    wrapped = torchjax.to_jax(f)
+    x = jnp.full(1024, 1024.0)
+    wrapped(x)
+    second = x.at[0].set(512.0)
+    out = wrapped(second)  # another shape than the shortcut's: its other way
+    np.testing.assert_array_equal(out, second[:512] * 2)
+    assert out.shape == (512,) and out.unsafe_buffer_pointer() == seen[-1]
+    assert binds[0] == 1
+
+
 def test_an_output_that_changes_with_the_values(binds):
     def f(t):  # an untyped function: shape, dtype and structure follow the values
         n = int(t[0])

@@ -130,15 +130,16 @@ class HotCall:
         if type(out) is torch.Tensor and out.dtype is plan.plain_dtype:
             if out.shape == plan.plain_shape and owns_memory_alone(out, 1):
                 return tensor_to_jax(out, plan.out_paths[0], device)
-        return self._rest(out, device)
-
-    def _rest(self, out: Any, device: Any) -> Any:
-        """The call after fn returned `out`, where the inlined steps do not cover it."""
-        plan, signature = self.plan, self.signature
-        if type(out) is not torch.Tensor:
-            out = as_jax_tree(out)
         box = [out]
-        del out  # the output's references are now in `box` alone
+        del out  # the output's references are now in `box` alone (see owns_memory_alone)
+        return self._rest(box, device)
+
+    def _rest(self, box: list, device: Any) -> Any:
+        """The call after fn returned ``box[0]``, where the inlined steps do not cover it;
+        `box` holds the only reference to the output, and is emptied."""
+        plan, signature = self.plan, self.signature
+        if type(box[0]) is not torch.Tensor:
+            box[0] = as_jax_tree(box[0])
         if type(signature) is not Untyped:
             outs = to_jax_outputs(plan._check_outputs(box.pop(), True), plan.out_paths, device)
             return _tree.tree_unflatten(signature.out_tree, outs)
