@@ -264,7 +264,7 @@ class CallPlan:
                 out = as_jax_tree(out)
         else:
             out = self.invoke(tensors)
-        return self._check_outputs(out, strict)
+        return self.check_outputs(out, strict)
 
     def call_plain(self, tensors: list[torch.Tensor]) -> Any:
         """invoke() for a plain plan (`plain`: the user's function called directly, grad
@@ -290,7 +290,7 @@ class CallPlan:
                 self._raise_mutated(tensors)
         return out
 
-    def _check_outputs(self, out: Any, strict: bool) -> Any:
+    def check_outputs(self, out: Any, strict: bool) -> Any:
         """run's output checks, on fn's output `out` (the only reference to it: see
         owns_memory_alone)."""
         if self.one_tensor_out and type(out) is torch.Tensor and not self.grad_mode:

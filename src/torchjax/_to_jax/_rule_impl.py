@@ -141,9 +141,9 @@ class HotCall:
         if type(box[0]) is not torch.Tensor:
             box[0] = as_jax_tree(box[0])
         if type(signature) is not Untyped:
-            outs = to_jax_outputs(plan._check_outputs(box.pop(), True), plan.out_paths, device)
+            outs = to_jax_outputs(plan.check_outputs(box.pop(), True), plan.out_paths, device)
             return _tree.tree_unflatten(signature.out_tree, outs)
-        results = plan._check_outputs(box.pop(), strict=False)  # plan: the memo's typed one
+        results = plan.check_outputs(box.pop(), strict=False)  # plan: the memo's typed one
         if type(results) is list:
             return _tree.tree_unflatten(
                 plan.out_tree, to_jax_outputs(results, plan.out_paths, device)

@@ -76,11 +76,6 @@ class Spec:
         """Call the jitted function on real tensors; zero-copy in and out."""
         arrays = [tensor_to_jax(t, p) for t, p in zip(tensors, self.in_paths, strict=True)]
         outs = self.jitted(*arrays)
-        if len(outs) == 1 and len(tensors) == 1:  # the common case of the loop below
-            out = array_to_tensor(outs[0], self.out_where)
-            if out.numel() and out.data_ptr() == tensors[0].data_ptr():
-                out = out.clone()
-            return (out,)
         # Outputs are fresh XLA buffers unless XLA forwarded an input or deduplicated two
         # outputs; torch must not see two tensors that secretly share memory, so copy then.
         seen = {t.data_ptr() for t in tensors}
