@@ -1,11 +1,18 @@
 """Check that requirements-gpu.txt resolves to one CUDA stack, without downloading it.
 
-pip resolves the file for Linux x86_64 and Python 3.12 (`pip install --dry-run --report`,
-which reads the wheels' metadata from the index, not the wheels), and the resolution must
-hold: torch and jax at the file's pins, torch's CUDA build (it requires CUDA's wheels),
-JAX's CUDA 13 plugin, and every CUDA library wheel of one CUDA major version (no -cu12 wheel
-beside the -cu13 ones). As a control, the same check must reject the same file with
-jax[cuda12] in place of jax[cuda13]: a check that cannot fail proves nothing.
+pip resolves the file for Linux x86_64 and Python 3.12 (`pip install --dry-run --report`),
+and the resolution must hold: torch and jax at the file's pins, torch's CUDA build (it
+requires CUDA's wheels), JAX's CUDA 13 plugin, and every CUDA library wheel of one CUDA major
+version (no -cu12 wheel beside the -cu13 ones). As a control, the same check must reject the
+same file with jax[cuda12] in place of jax[cuda13]: a check that cannot fail proves nothing.
+
+The resolution must not download the wheels: they are about 3 GB (torch's CUDA build,
+cuDNN, cuBLAS, ...), and a CI machine's disk filled up doing so. An index without PEP 658
+metadata files (this project's registries) makes a plain `--dry-run` download every wheel
+whole to read its METADATA, so pip runs with `--use-feature=fast-deps`, which reads METADATA
+from the end of each wheel with HTTP range requests. pip 23's dry run still downloaded the
+wheels after resolving with it; pip 26.3's does not, so the check runs a pinned pip in a
+throwaway venv, and fails if pip reports downloading any wheel over a megabyte whole.
 
 Usage:  python tools/check_gpu_requirements.py      (CI runs it; exit status 0 iff it holds)
 """
@@ -25,6 +32,19 @@ from matrix import find_python  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIREMENTS = ROOT / "requirements-gpu.txt"
+RESOLVER_PIP = "pip==26.3"  # the first pip seen to dry-run fast-deps without downloading
+
+
+def resolver_python(python: str, workdir: Path) -> str:
+    """A throwaway venv's interpreter made from `python`, with RESOLVER_PIP in it."""
+    venv = workdir / "resolver-venv"
+    subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    exe = str(venv / "bin" / "python")
+    cmd = [exe, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", RESOLVER_PIP]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"could not install {RESOLVER_PIP} to resolve with:\n{out.stderr[-3000:]}")
+    return exe
 
 
 def resolve(python: str, requirements: Path, workdir: Path) -> list[dict]:
@@ -33,13 +53,22 @@ def resolve(python: str, requirements: Path, workdir: Path) -> list[dict]:
     report = workdir / f"{requirements.stem}.json"
     empty = workdir / "no-constraints.txt"  # a site-wide cap (as on this project's machines)
     empty.write_text("")
-    cmd = [python, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed"]
-    cmd += ["--only-binary=:all:"]
+    cmd = [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--progress-bar=off"]
+    cmd += ["--only-binary=:all:", "--use-feature=fast-deps"]
     cmd += ["--report", str(report), "-r", str(requirements)]
     env = {"PIP_CONSTRAINT": str(empty), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
     if out.returncode:
         raise SystemExit(f"pip could not resolve {requirements.name}:\n{out.stderr[-3000:]}")
+    whole = re.findall(r"Downloading (\S+\.whl) \(([\d.]+) (MB|GB)\)", out.stdout + out.stderr)
+    big = [
+        f"{name} ({size} {unit})" for name, size, unit in whole if unit == "GB" or float(size) > 1
+    ]
+    if big:
+        raise SystemExit(
+            f"pip downloaded whole wheels to resolve {requirements.name} (range requests not "
+            f"served by the index, or a pip that ignores fast-deps in a dry run): {', '.join(big)}"
+        )
     return json.loads(report.read_text())["install"]
 
 
@@ -86,6 +115,7 @@ def main() -> int:
     pins = _pins(REQUIREMENTS)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
+        python = resolver_python(python, workdir)
         installs = resolve(python, REQUIREMENTS, workdir)
         wrong = problems(installs, pins)
         control = workdir / "requirements-gpu-cuda12.txt"
