@@ -8,6 +8,7 @@ that needs more slack passes `rtol`/`atol` and says why.
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any
 
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Whether the tests run with their data on the GPU (conftest.py: TORCHJAX_TEST_DEVICE).
 ON_GPU = os.environ.get("TORCHJAX_TEST_DEVICE", "cpu") == "cuda"
@@ -94,3 +96,27 @@ class Square(torch.autograd.Function):
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
         return 2 * x * g
+
+
+# The matrix products torch.func's counts are compared by (tests/test_per_example.py,
+# tests/test_forward_over_reverse.py).
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "mv", "addmv", "dot"}
+
+
+class MatmulCount(TorchDispatchMode):
+    """Counts the matrix products torch runs while active (in callbacks too: on the CPU,
+    XLA runs them on the calling thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in MATMULS:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())

@@ -30,10 +30,10 @@ def test_compare_quick_runs_and_renders(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     # Each section's table header, the sweep's one, and the note for the skipped bridges.
-    # Thirteen tables with ratios: to_jax 2, vmap 2, grad 1, hessian 1, train 1, gpt2 1,
+    # Fourteen tables with ratios: to_jax 2, vmap 2, grad 1, hessian 2, train 1, gpt2 1,
     # module 2, concurrent 1, to_torch 2.
     assert "| call | elements (float32) | median µs |" in out
-    assert out.count("| case | median µs | baseline | baseline µs | ratio |") == 13
+    assert out.count("| case | median µs | baseline | baseline µs | ratio |") == 14
     assert '| torchjax, copy="move" |' in out  # bench_gpt2's memory table
     assert "| elements | native torch | to_jax eager | jax.jit(to_jax) |" in out
     assert "| 256 |" in out and "| 4,096 |" not in out

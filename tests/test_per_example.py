@@ -5,41 +5,18 @@ by a dispatch mode, and torch.func's numbers (torch.func.vmap(torch.func.grad_an
 
 from __future__ import annotations
 
-import collections
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import tree_close
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import MatmulCount, tree_close
 
 import torchjax
 
 pytestmark = pytest.mark.core  # the version matrix runs this module
 
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "mv", "addmv", "dot"}
 D, H, B = 6, 5, 4
-
-
-class MatmulCount(TorchDispatchMode):
-    """Counts the matrix products torch runs while active (in callbacks too: on the CPU,
-    XLA runs them on the calling thread)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in MATMULS:
-            self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
 
 
 def _model() -> torch.nn.Module:

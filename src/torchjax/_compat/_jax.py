@@ -127,6 +127,7 @@ def _jit_apply_primitive(prim: Any, *operands: Any, **params: Any) -> Any:
 core = types.SimpleNamespace(
     Primitive=jax.extend.core.Primitive,
     Var=jax.extend.core.Var,
+    Literal=jax.extend.core.Literal,
     Tracer=jax.core.Tracer,
     ShapedArray=jax.core.ShapedArray,
     typeof=jax.typeof,
@@ -241,6 +242,44 @@ partial_eval = types.SimpleNamespace(
     # Only named in a type annotation.
     JaxprTrace=or_(resolve("jax._src.interpreters.partial_eval.JaxprTrace"), Any),
 )
+
+# Dead-code elimination rules (_rule_dce.py). JAX 0.12 passes which inputs are live (for
+# effects) between the used outputs and the equation; earlier versions do not.
+_NO_DCE = "under jit, forward-over-reverse runs a forward more than torch.func does"
+_dce_rules = private(
+    "jax.interpreters.partial_eval.dce_rules",
+    "jax._src.interpreters.partial_eval.dce_rules",
+    fallback=_NO_DCE,
+)
+_default_dce_rule = private(
+    "jax._src.interpreters.partial_eval._default_dce_rule", fallback=_NO_DCE
+)
+
+
+def _dce_convention() -> str | None:
+    if ABSENT in (_dce_rules, _default_dce_rule):
+        return None
+    try:
+        names = list(inspect.signature(_default_dce_rule).parameters)
+    except (TypeError, ValueError):
+        return None
+    if len(names) == 2:
+        return "used_outs"
+    return "live_ins" if len(names) == 3 else None
+
+
+DCE_CONVENTION = _dce_convention()
+
+
+def register_dce(primitive: Any, rule: Any) -> bool:
+    """Register ``rule(used_outputs, eqn) -> (used_inputs, eqn or None)`` as `primitive`'s
+    dead-code elimination; False where JAX's table or calling convention is unknown."""
+    if DCE_CONVENTION == "used_outs":
+        _dce_rules[primitive] = rule
+    elif DCE_CONVENTION == "live_ins":
+        _dce_rules[primitive] = lambda used_outs, live_ins, eqn: rule(used_outs, eqn)
+    return DCE_CONVENTION is not None
+
 
 # What the partial-evaluation rules read off JAX's objects: a JaxprTrace's known values and
 # constants, an equation's fields, an aval's tangent type. Methods, not looked up here.

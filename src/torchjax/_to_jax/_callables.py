@@ -682,7 +682,7 @@ class JvpFunction(_Derivative):
             if not self.with_residuals:
                 return self._jvp(primals, rest[0])
             (_, state), tangents = rest
-            with replaying(unbatched_residual(state, 1), _device_of(primals)):
+            with replaying(unbatched_residual(state, 1), device_of(primals)):
                 return self._jvp(primals, tangents)
         finally:
             exit_derived_call()
@@ -775,7 +775,7 @@ class VjpFunction(_Derivative):
             if into is not None and len(into) != len(self.wrt):
                 into = None
             return graph.backward(_tensors_of(primals), self.out_mask, cotangents, into)
-        with replaying(state, _device_of(primals)):
+        with replaying(state, device_of(primals)):
             if self.ct_batch:
                 return self._batched_pullback(primals, cotangents)
             return self._pullback(primals, cotangents)
@@ -904,5 +904,5 @@ def _tensors_of(primals: tuple) -> list[torch.Tensor]:
     return [x for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)]
 
 
-def _device_of(primals: tuple) -> torch.device | None:
+def device_of(primals: tuple) -> torch.device | None:
     return next((x.device for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)), None)

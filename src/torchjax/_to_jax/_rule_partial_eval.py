@@ -141,7 +141,7 @@ def partial_eval_custom(saveable: Any, unks_in: list, inst_in: list, eqn: Any) -
     n_primal_out = len(fn.out_mask)
     primal_tree = eqn.params["in_tree"].children()[0]  # the call's args: (primals, tangents)
     primal_statics = eqn.params["statics"][: primal_tree.num_leaves]
-    primal_eqn = _torch_call_eqn(
+    primal_eqn = torch_call_eqn(
         eqn,
         eqn.invars[:n_primal],
         eqn.outvars[:n_primal_out],
@@ -151,7 +151,7 @@ def partial_eval_custom(saveable: Any, unks_in: list, inst_in: list, eqn: Any) -
     )
     tangent_out = [True] * (n_out - n_primal_out)
     if _saved(saveable, primal_eqn):
-        linear_eqn = _torch_call_eqn(
+        linear_eqn = torch_call_eqn(
             eqn,
             eqn.invars,
             eqn.outvars[n_primal_out:],
@@ -176,7 +176,7 @@ def _saved(saveable: Any, eqn: Any) -> bool:
     return not isinstance(policy, pe.RecomputeType)
 
 
-def _torch_call_eqn(like: Any, invars: list, outvars: list, in_tree: Any, statics: tuple, fn):
+def torch_call_eqn(like: Any, invars: list, outvars: list, in_tree: Any, statics: tuple, fn):
     """An equation of torch_call_p calling `fn`, with `like`'s options and source info."""
     params = dict(like.params["params"])
     params["fn"] = fn

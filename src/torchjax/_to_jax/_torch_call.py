@@ -13,6 +13,7 @@
 #   jvp                _rule_jvp.py             one torch.func.jvp
 #   transpose          _rule_transpose.py       torch.func.vjp / torch.autograd.grad
 #   partial eval       _rule_partial_eval.py    the JVP split: linearize, grad, checkpoint
+#   dead code (jit)    _rule_dce.py             forwards of which only residuals are read
 # TorchCallPrimitive adds to PytreePrimitive what only torch calls need: params that live on
 # the user's function (they die with it), eager calls of the user's function that run for
 # real without a fake run, and the partial-evaluation and linearization rules that JAX
@@ -22,7 +23,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torchjax._compat._jax import hide_frames_under, jax_config, register_linearization
+from torchjax._compat._jax import (
+    hide_frames_under,
+    jax_config,
+    register_dce,
+    register_linearization,
+)
 from torchjax._compat._jax import partial_eval as pe
 from torchjax._primitive._core import PytreePrimitive
 
@@ -61,6 +67,12 @@ class TorchCallPrimitive(PytreePrimitive):
         # function pickled by value (cloudpickle: Ray, dask, spawned pools) finds it again.
         return (_the_primitive, ())
 
+    def def_dce(self, rule: Any) -> Any:
+        """``rule(used_outputs, eqn) -> (used_inputs, eqn or None)``: JAX's dead-code
+        elimination of the primitive's equations (where JAX's table is there)."""
+        register_dce(self.primitive, rule)
+        return rule
+
     def def_linearization(self, rule: Any) -> Any:
         """``rule(is_vjp, nonzeros, *primals, **params)``: direct linearization, where JAX
         has it (see _compat._jax.register_linearization)."""
@@ -84,6 +96,7 @@ hide_frames_under(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torchjax._to_jax import (  # noqa: E402
     _rule_abstract_eval,
     _rule_batching,
+    _rule_dce,
     _rule_impl,
     _rule_jvp,
     _rule_lowering,
@@ -99,3 +112,4 @@ torch_call_p.def_transpose(_rule_transpose.transpose)
 torch_call_p.def_partial_eval(_rule_partial_eval.partial_eval)
 torch_call_p.def_partial_eval_custom(_rule_partial_eval.partial_eval_custom)
 torch_call_p.def_linearization(_rule_partial_eval.linearize)
+torch_call_p.def_dce(_rule_dce.dce)

@@ -1,0 +1,135 @@
+# torch_call's dead-code elimination rule: what a jitted program need not run.
+#
+# JAX's default drops a call whose outputs are all unused and keeps the rest whole. Reverse
+# mode leaves calls of which only a residual is read, and forward-over-reverse (the JVP of
+# a gradient: Hessian-vector products, jax.hessian) has one such forward per call:
+#   * The JVP of a VJP that follows a RecordedForward (a JvpFunction of a VjpFunction with
+#     residuals, maybe batched) recomputes the forward inside torch.func.jvp, where a kept
+#     graph cannot serve (_callables.VjpFunction._after_taped): of the residuals it reads
+#     the RNG state only. Its graph-handle operand becomes a literal 0, so it stops being a
+#     use of the handle (it would only have taken the graph out of the store to drop it).
+#   * A RecordedForward whose handle nobody reads keeps no graph (keep_graph=False).
+#   * A JVP whose outputs nobody reads, only their tangents, returns the tangents alone.
+#   * A RecordedForward, or the JvpFunction of one (inside torch.func.jvp it keeps no graph:
+#     its handle is 0), of which nothing but the residuals is read becomes a
+#     ForwardResiduals call: it reads torch's generator state, which is what the forward
+#     would have returned, and does not run the forward. So jax.jit(jax.jvp(jax.grad(f)))
+#     and jax.jit(jax.hessian(f)) run the forward as often as torch.func does
+#     (tests/test_forward_over_reverse.py counts the matrix products).
+# Eagerly every call runs as it is bound: only a jitted program is seen whole.
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchjax._compat._jax import core, replace_equation
+from torchjax._primitive._params import ARRAY
+from torchjax._to_jax._callables import (
+    BatchedFunction,
+    DerivedFunction,
+    JvpFunction,
+    RecordedForward,
+    VjpFunction,
+    device_of,
+)
+from torchjax._to_jax._options import Options
+from torchjax._to_jax._residual import rng_state
+from torchjax._to_jax._rule_partial_eval import torch_call_eqn
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardResiduals(DerivedFunction):
+    """``(*args) -> (handle 0, rng_state)``: the residuals `inner` (a RecordedForward, or a
+    JvpFunction of one, that would keep no graph) returns after its outputs, without
+    running it: the generator state it reads before its forward."""
+
+    inner: Any
+
+    def __call__(self, *args: Any) -> tuple:
+        device = device_of(args)
+        device = device if device is not None else torch.device("cpu")
+        return torch.tensor(0, dtype=torch.int32, device=device), rng_state(device).to(device)
+
+    def out_types(self, options: Options, *args: Any) -> tuple:
+        del options, args
+        return RecordedForward.residual_types()
+
+
+def dce(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
+    """JAX's DCE rule for torch_call: ``(used inputs, the equation to keep or None)``."""
+    if not any(used_outputs):
+        return [False] * len(eqn.invars), None
+    fn = dict(eqn.params["params"])["fn"]
+    if isinstance(fn, RecordedForward):
+        eqn = _forward_eqn(used_outputs, eqn, fn, len(used_outputs) - 2)
+    elif isinstance(fn, JvpFunction) and isinstance(fn.inner, RecordedForward):
+        if fn.with_primals and not fn.with_residuals:
+            eqn = _forward_eqn(used_outputs, eqn, fn, len(fn.out_mask) - 2)
+    else:
+        if _differentiates_taped_vjp(fn):
+            eqn = _without_handle(eqn)
+        if isinstance(fn, JvpFunction) and fn.with_primals:
+            eqn = _tangents_only(used_outputs, eqn, fn)
+    return [isinstance(v, core.Var) for v in eqn.invars], eqn
+
+
+def _forward_eqn(used: list[bool], eqn: Any, fn: Any, handle_at: int) -> Any:
+    """A forward's equation, given which outputs are read; its outputs' handle and RNG
+    state are at `handle_at` and after."""
+    rest = used[:handle_at] + used[handle_at + 2 :]
+    if not any(rest):
+        residuals = eqn.outvars[handle_at : handle_at + 2]
+        return torch_call_eqn(
+            eqn,
+            eqn.invars,
+            residuals,
+            eqn.params["in_tree"],
+            eqn.params["statics"],
+            ForwardResiduals(fn),
+        )
+    if isinstance(fn, RecordedForward) and fn.keep_graph and not used[handle_at]:
+        lighter = dataclasses.replace(fn, keep_graph=False)
+        in_tree, statics = eqn.params["in_tree"], eqn.params["statics"]
+        return torch_call_eqn(eqn, eqn.invars, eqn.outvars, in_tree, statics, lighter)
+    return eqn
+
+
+def _differentiates_taped_vjp(fn: Any) -> bool:
+    while isinstance(fn, BatchedFunction):
+        fn = fn.inner
+    return (
+        isinstance(fn, JvpFunction)
+        and isinstance(fn.inner, VjpFunction)
+        and fn.inner.with_residuals
+    )
+
+
+def _without_handle(eqn: Any) -> Any:
+    """The equation with its VJP's graph handle (the leaf after the VJP's primals, which
+    lead its arguments: ``((vjp primals, (handle, rng), cotangents), tangents)``) a
+    literal 0."""
+    in_tree, statics = eqn.params["in_tree"], eqn.params["statics"]
+    handle_leaf = in_tree.children()[0].children()[0].num_leaves
+    if statics[handle_leaf] is not ARRAY:
+        return eqn
+    operand = sum(1 for s in statics[:handle_leaf] if s is ARRAY)
+    var = eqn.invars[operand]
+    aval = var.aval
+    if not isinstance(var, core.Var) or aval.shape != () or aval.dtype != np.int32:
+        return eqn  # already a literal, or batched (a batch of handles)
+    invars = list(eqn.invars)
+    invars[operand] = core.Literal(np.int32(0), aval)
+    return replace_equation(eqn, invars=invars)
+
+
+def _tangents_only(used: list[bool], eqn: Any, fn: JvpFunction) -> Any:
+    """A JVP whose outputs (not tangents) nobody reads returns its tangents alone: the same
+    torch.func.jvp, without writing the outputs out (a JVP of a gradient: the gradient)."""
+    n_out = len(fn.out_mask)
+    if any(used[:n_out]):
+        return eqn
+    in_tree, statics = eqn.params["in_tree"], eqn.params["statics"]
+    return torch_call_eqn(eqn, eqn.invars, eqn.outvars[n_out:], in_tree, statics, fn.linear)
