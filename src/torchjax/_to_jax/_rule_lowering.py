@@ -91,6 +91,8 @@ def callback_call(
     if not USE_BUFFER_CALLBACK:
         return _pure_callback_call(_notes_in_message(run), operands, out_structs, out_paths)
     on_cpu = None  # fixed by the first call: a buffer_callback is lowered for one platform
+    # One output of a fixed dtype: its copy without the loop, measured 0.5 µs (4%) faster.
+    one_out = torch_dtype(out_structs[0].dtype) if len(out_structs) == 1 else None
 
     def host(ctx: Any, outs: list, *ins: Any) -> None:
         try:
@@ -98,16 +100,23 @@ def callback_call(
                 # The CPU path, inlined: this runs on every call of a jitted function.
                 tensors = [tensor_from_capsule(b.__dlpack__()) for b in ins]
                 results = run(tensors)
-                for buf, value, where in zip(outs, results, out_paths, strict=True):
-                    dst = tensor_from_capsule(buf.__dlpack__())
-                    if value.dtype is not dst.dtype:
-                        write_output(dst, value, where)
-                    else:
-                        try:
-                            dst.copy_(value)
-                        except Exception:
-                            check_has_data(value, where)  # meta or sparse: say which
-                            raise
+                if one_out is not None and results[0].dtype is one_out:
+                    try:
+                        tensor_from_capsule(outs[0].__dlpack__()).copy_(results[0])
+                    except Exception:
+                        check_has_data(results[0], out_paths[0])  # meta or sparse: say which
+                        raise
+                else:
+                    for buf, value, where in zip(outs, results, out_paths, strict=True):
+                        dst = tensor_from_capsule(buf.__dlpack__())
+                        if value.dtype is not dst.dtype:
+                            write_output(dst, value, where)
+                        else:
+                            try:
+                                dst.copy_(value)
+                            except Exception:
+                                check_has_data(value, where)  # meta or sparse: say which
+                                raise
                 results = value = dst = None  # (not del: with no outputs, never bound)
                 # An input the function kept a reference to (a cache, a hook) gets memory of
                 # its own before XLA reuses the buffer; the common case (none kept) inlined.
