@@ -6,6 +6,8 @@ forward (and its JVP) than torch.func."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -195,3 +197,48 @@ def test_jitted_batch_of_hvps():
     want, want_count = _torch_counted(lambda: torch.func.vmap(torch_hvp)(vs_t))
     assert count == want_count
     tree_close(hvs, want, rtol=1e-4, atol=1e-5)
+
+
+def _cached_tanh():
+    """A torch function that fills a cache on its first call, and its jax.numpy twin."""
+    cache = {}
+    w = torch.linspace(-1.0, 1.0, 12).reshape(4, 3)
+
+    def cached(x):  # [2, 4] -> []
+        if "w" not in cache:
+            cache["w"] = w * 1.0
+        return torch.tanh(x @ cache["w"]).pow(2).sum()
+
+    w_j = jnp.asarray(w.numpy())
+    return torchjax.to_jax(cached), lambda x: (jnp.tanh(x @ w_j) ** 2).sum(), cache
+
+
+@pytest.mark.parametrize("which", ["hvp", "hessian"])
+def test_a_cache_filled_on_the_first_jitted_call_holds_a_plain_tensor(which):
+    # The first call's forward still runs, plainly: were the cache filled inside the VJP's
+    # torch.func transform, it would keep a tensor of that transform, and every later call
+    # would fail (torch.func.jvp(torch.func.grad(cached)) fails so on its second call).
+    f, f_jax, cache = _cached_tanh()
+    if which == "hvp":
+        make = lambda f: jax.jit(lambda x, v: jax.jvp(jax.grad(f), (x,), (v,))[1])
+        args = lambda i: (jnp.full((2, 4), 0.1 * i), jnp.ones((2, 4)))
+    else:
+        make = lambda f: jax.jit(jax.hessian(f))
+        args = lambda i: (jnp.full((2, 4), 0.1 * i),)
+    got, want = make(f), make(f_jax)
+    for i in range(3):
+        tree_close(got(*args(i)), want(*args(i)))
+    assert type(cache["w"]) is torch.Tensor and not torch._C._functorch.is_functorch_wrapped_tensor(
+        cache["w"]
+    )
+
+
+def test_a_cache_filled_on_the_first_call_under_jitted_hvps_from_threads():
+    f, f_jax, _ = _cached_tanh()
+    hvp = lambda f: jax.jit(lambda x, v: jax.jvp(jax.grad(f), (x,), (v,))[1])
+    got, want = hvp(f), hvp(f_jax)
+    xs = [jnp.full((2, 4), 0.1 * i) for i in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda x: got(x, jnp.ones((2, 4))), xs))
+    for x, out in zip(xs, outs, strict=True):
+        tree_close(out, want(x, jnp.ones((2, 4))))

@@ -8,6 +8,7 @@
 # checkpoint, jacfwd's vmap over tangents) the jaxpr must show them split.
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 import jax
@@ -267,3 +268,26 @@ def test_jvp_with_declared_result_shapes_runs_nothing_on_fake_tensors():
     tree_close(jax.jacfwd(lambda x: f(x)["y"])(X), jnp.diag(jnp.cos(X)))
     tree_close(jax.jit(jax.grad(lambda x: f(x)["y"].sum()))(X), jnp.cos(X))
     assert fake_runs and not any(fake_runs)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_jvps_from_many_threads_at_once(jit):
+    # torch's forward-mode levels are process-wide: unserialized, concurrent torch.func.jvp
+    # calls close each other's level, and tangents come out zero (silently) or fail.
+    w = torch.linspace(0.1, 1.0, 64 * 64).reshape(64, 64) / 64
+    w_j = jnp.asarray(w.numpy())
+    f = torchjax.to_jax(lambda x: torch.tanh(x @ w).sum())
+    jvp = lambda x, v: jax.jvp(f, (x,), (v,))[1]
+    jvp = jax.jit(jvp) if jit else jvp
+    xs = [jnp.full((8, 64), 0.01 * i) for i in range(32)]
+    v = jnp.ones((8, 64))
+
+    def many(x):
+        return [jvp(x, v) for _ in range(20)]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(many, xs))
+    for x, got in zip(xs, results, strict=True):
+        want = jax.jvp(lambda x: jnp.tanh(x @ w_j).sum(), (x,), (v,))[1]
+        for t in got:
+            tree_close(t, want, rtol=1e-4)

@@ -42,6 +42,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -690,7 +691,8 @@ class JvpFunction(_Derivative):
     def _jvp(self, primals: tuple, tangents: tuple) -> tuple:
         g, x = self._restricted(primals)
         if self.method == "torch.func":
-            outs, t_outs, rest = torch.func.jvp(g, tuple(x), tuple(tangents), has_aux=True)
+            with FORWARD_AD:
+                outs, t_outs, rest = torch.func.jvp(g, tuple(x), tuple(tangents), has_aux=True)
         else:
             outs, t_outs, rest = jvp_by_double_vjp(g, x, tangents)
         if not self.with_primals:
@@ -705,6 +707,14 @@ class JvpFunction(_Derivative):
         every = _tree.tree_leaves(out)
         masked = tuple(s for s, m in zip(every, self.out_mask, strict=True) if m)
         return (*every, *masked) if self.with_primals else masked
+
+
+# torch's forward-mode levels are process-wide, not per thread (torch.autograd.forward_ad
+# keeps the current level in a module global, and its C++ side one stack): two threads in
+# torch.func.jvp at once close or reuse each other's level, and a tangent comes out zero
+# or the call fails. So torch.func.jvp runs in one thread at a time (re-entrant: a JVP of
+# a JVP, or a wrapped function calling another, nests on its own thread).
+FORWARD_AD = threading.RLock()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,13 +13,15 @@
 #   * A RecordedForward, or the JvpFunction of one (inside torch.func.jvp it keeps no graph:
 #     its handle is 0), of which nothing but the residuals is read becomes a
 #     ForwardResiduals call: it reads torch's generator state, which is what the forward
-#     would have returned, and does not run the forward. So jax.jit(jax.jvp(jax.grad(f)))
-#     and jax.jit(jax.hessian(f)) run the forward as often as torch.func does
-#     (tests/test_forward_over_reverse.py counts the matrix products).
+#     would have returned, and does not run the forward (but once per function: see
+#     there). So jax.jit(jax.jvp(jax.grad(f))) and jax.jit(jax.hessian(f)) run the
+#     forward as often as torch.func does (tests/test_forward_over_reverse.py counts the
+#     matrix products).
 # Eagerly every call runs as it is bound: only a jitted program is seen whole.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import numpy as np
@@ -39,16 +41,33 @@ from torchjax._to_jax._options import Options
 from torchjax._to_jax._residual import rng_state
 from torchjax._to_jax._rule_partial_eval import torch_call_eqn
 
+# The user's functions a ForwardResiduals has run once (see there).
+_WARMED: weakref.WeakSet = weakref.WeakSet()
+
 
 @dataclasses.dataclass(frozen=True)
 class ForwardResiduals(DerivedFunction):
     """``(*args) -> (handle 0, rng_state)``: the residuals `inner` (a RecordedForward, or a
     JvpFunction of one, that would keep no graph) returns after its outputs, without
-    running it: the generator state it reads before its forward."""
+    running it: the generator state it reads before its forward.
+
+    Except the first time for a given user function: then the forward does run, plainly,
+    as the call it stands for would have. Torch code that fills a cache or builds state on
+    its first call would otherwise first run inside the VJP's torch.func transform, and
+    keep a tensor of that transform's level, which fails every later call (it does in
+    torch.func alone, too). Its random draws are then the ones the VJP replays.
+    """
 
     inner: Any
 
     def __call__(self, *args: Any) -> tuple:
+        root = self.inner.root
+        if root not in _WARMED:
+            forward = self.inner if isinstance(self.inner, RecordedForward) else self.inner.inner
+            primals = args if forward is self.inner else args[0]
+            *_, handle, state = dataclasses.replace(forward, keep_graph=False)(*primals)
+            _WARMED.add(root)
+            return handle, state
         device = device_of(args)
         device = device if device is not None else torch.device("cpu")
         return torch.tensor(0, dtype=torch.int32, device=device), rng_state(device).to(device)
