@@ -37,6 +37,7 @@ from torchjax._to_jax._callables import (
     VjpFunction,
     device_of,
 )
+from torchjax._to_jax._fake_run import default_torch_device
 from torchjax._to_jax._options import Options
 from torchjax._to_jax._residual import rng_state
 from torchjax._to_jax._rule_partial_eval import torch_call_eqn
@@ -69,7 +70,7 @@ class ForwardResiduals(DerivedFunction):
             _WARMED.add(root)
             return handle, state
         device = device_of(args)
-        device = device if device is not None else torch.device("cpu")
+        device = device if device is not None else default_torch_device()  # as the forward
         return torch.tensor(0, dtype=torch.int32, device=device), rng_state(device).to(device)
 
     def out_types(self, options: Options, *args: Any) -> tuple:
