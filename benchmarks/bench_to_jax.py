@@ -4,11 +4,14 @@
 # Under jit: a buffer_callback that wraps XLA's buffers with torch._C._from_dlpack (no
 # Python wrapper), calls f and copy_s into XLA's output buffer; every Python-callback bridge
 # pays at least that. The same callback through torch.utils.dlpack.from_dlpack is the
-# previous, slower floor. Eager: jaxlib's DLPack export of the input, torch._C._from_dlpack,
-# f, torch._C._to_dlpack, jaxlib's DLPack import of the output. jax.pure_callback and native
-# torch are shown for reference. For 2**24 elements the question is extra copies, not
-# overhead.
+# previous, slower floor; the same callback with the checks to_jax makes on every call
+# inlined shows what those checks cost. Eager: jaxlib's DLPack export of the input,
+# torch._C._from_dlpack, f, torch._C._to_dlpack, jaxlib's DLPack import of the output.
+# jax.pure_callback and native torch are shown for reference. For 2**24 elements the
+# question is extra copies, not overhead.
 from __future__ import annotations
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +44,47 @@ def fastest_callback(op, n):
     return hand_callback(op, n, wrap=lambda buf: _from_capsule(buf.__dlpack__()))
 
 
+def checked_callback(op, n):
+    """The jit floor with torchjax's invariants: fastest_callback plus, inlined, the checks
+    to_jax makes on every call (the input's storage refuses writes, grad mode off, no
+    version counter moved, the output's type, dtype and shape, and no reference to the
+    input kept past the call). What those checks cost is this row's ratio to the floor."""
+    refuse, grad_on, set_grad = (
+        torch._C._set_throw_on_mutable_data_ptr,
+        torch.is_grad_enabled,
+        torch._C._set_grad_enabled,
+    )
+    use_count, storage_uses, storage_id = (
+        torch.Tensor._use_count,
+        torch._C._storage_Use_Count,
+        torch._C._storage_id,
+    )
+    refs, shape = sys.getrefcount, (n,)
+
+    def cb(ctx, outs, x):
+        t = _from_capsule(x.__dlpack__())
+        refuse(t)
+        was_on = grad_on()
+        if was_on:
+            set_grad(False)
+        try:
+            out = op(t)
+        finally:
+            if was_on:
+                set_grad(True)
+        if t._version:
+            raise RuntimeError("an in-place view op")
+        if type(out) is not torch.Tensor or out.dtype is not torch.float32 or out.shape != shape:
+            raise RuntimeError("an output of another type")
+        _from_capsule(outs[0].__dlpack__()).copy_(out)
+        out = None
+        if refs(t) != 2 or use_count(t) != 1 or storage_uses(storage_id(t)) != 1:
+            raise RuntimeError("an input kept")
+
+    call = buffer_callback(cb, [jax.ShapeDtypeStruct((n,), jnp.float32)])
+    return jax.jit(lambda x: call(x)[0])
+
+
 def fastest_eager(op, like):
     """The eager floor: jaxlib's DLPack export and import around op, nothing checked."""
     device = like.devices().pop()
@@ -64,8 +108,10 @@ def measure() -> list[Table]:
     f_jit = jax.jit(f)
     hand = hand_callback(add_one, n)
     fastest = fastest_callback(add_one, n)
+    checked = checked_callback(add_one, n)
     eager_floor = fastest_eager(add_one, x)
     assert bool((eager_floor(x) == x + 1).all()) and bool((fastest(x) == x + 1).all())
+    assert bool((checked(x) == x + 1).all())
     pure = jax.jit(
         lambda x: jax.pure_callback(
             lambda a: a + 1, jax.ShapeDtypeStruct((n,), jnp.float32), x, vmap_method="sequential"
@@ -83,6 +129,18 @@ def measure() -> list[Table]:
                 lambda: f(x).block_until_ready(),
                 eager_name,
                 lambda: eager_floor(x).block_until_ready(),
+            ),
+            paired_row(
+                "hand-written buffer_callback with to_jax's checks",
+                lambda: checked(x).block_until_ready(),
+                floor_name,
+                floor,
+            ),
+            paired_row(
+                "to_jax under jit",
+                lambda: f_jit(x).block_until_ready(),
+                "hand-written buffer_callback with to_jax's checks",
+                lambda: checked(x).block_until_ready(),
             ),
             paired_row(
                 "buffer_callback through torch.utils.dlpack",

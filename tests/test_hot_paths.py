@@ -122,11 +122,29 @@ def test_outputs_torch_keeps_are_copied_on_a_repeated_call(binds):
         cache.append(y)
         return y
 
+    buffer = np.arange(4.0, dtype=np.float32)
+    datas, storages = [], []
+
+    def kept_data(t):
+        y = t * 2
+        datas.append(y.data)
+        return y
+
+    def kept_storage(t):
+        y = t * 2
+        storages.append(y.untyped_storage())
+        return y
+
     cases = [
         (lambda t: t, None),  # the input itself: JAX's array, which the caller holds
         (lambda t: weight, lambda: weight.add_(100)),
         (lambda t: weight.detach()[:4], lambda: weight.add_(100)),
         (cached, lambda: [c.add_(100) for c in cache]),
+        # memory torch did not allocate, which its owner may write
+        (lambda t: torch.from_numpy(buffer), lambda: np.add(buffer, 100, out=buffer)),
+        # a fresh tensor whose storage something else holds
+        (kept_data, lambda: [d.add_(100) for d in datas]),
+        (kept_storage, lambda: [s.fill_(100) for s in storages]),
     ]
     for fn, change in cases:
         wrapped = torchjax.to_jax(fn)
@@ -351,3 +369,63 @@ def test_x64_is_part_of_a_repeated_to_torch_call(flattens):
         assert f(a).dtype == torch.float64
     assert f(a).dtype == torch.float32
     assert flattens[0] == 3
+
+
+def _unaligned(a):
+    """`a`'s values in memory one element past a 64-byte boundary."""
+    return torch.cat([torch.zeros(1, dtype=a.dtype), a.reshape(-1)])[1:].view(a.shape)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        lambda a: a.t(),  # the same shape, other strides
+        _unaligned,
+        lambda a: a.to(torch.complex64).conj(),  # the conjugate bit
+        lambda a: torch._neg_view(a.to(torch.complex64)),  # the negative bit
+    ],
+    ids=["transposed", "unaligned", "conj", "neg"],
+)
+def test_a_repeated_to_torch_call_of_another_layout(flattens, variant):
+    # The shortcut aliases a dense, aligned CPU tensor as it is; any other goes the full
+    # way (a copy), with the values of the tensor as torch reads it.
+    f = torchjax.to_torch(lambda a: a @ jnp.arange(3.0, dtype=a.dtype) + a.sum())
+    base = torch.arange(9.0).reshape(3, 3)
+    a = variant(base)
+    first = torch.randn(3, 3).to(a.dtype)
+    f(first)  # the signature's first call: contiguous
+    expected = np.asarray(a.resolve_conj().resolve_neg().contiguous())
+    expected = expected @ np.arange(3.0) + expected.sum()
+    np.testing.assert_allclose(f(a).numpy(), expected, rtol=1e-6)
+    np.testing.assert_array_equal(base.numpy(), np.arange(9.0).reshape(3, 3))
+    assert flattens[0] == 1
+
+
+def test_a_repeated_to_torch_call_returns_memory_of_its_own(flattens):
+    # XLA may hand an input back as an output, or one buffer for two outputs: torch must
+    # not see two tensors that secretly share memory.
+    same = torchjax.to_torch(lambda a: a)
+    twice = torchjax.to_torch(lambda a: (a * 2, a * 2))
+    a = torch.arange(4.0)
+    for _ in range(3):
+        out = same(a)
+        out.add_(100)
+        np.testing.assert_array_equal(a.numpy(), np.arange(4.0))
+        x, y = twice(a)
+        x.add_(100)
+        np.testing.assert_array_equal(y.numpy(), np.arange(4.0) * 2)
+    assert flattens[0] == 2
+
+
+def test_a_repeated_to_torch_call_of_a_parameter_under_no_grad(flattens):
+    f = torchjax.to_torch(lambda a: jnp.cos(a))
+    p = torch.nn.Parameter(torch.linspace(0, 1, 5))
+    f(p.detach())
+    with torch.no_grad():
+        out = f(p)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, torch.cos(p.detach()))
+    out = f(p)
+    assert out.requires_grad  # grad mode on: through autograd
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), p)[0], -torch.sin(p.detach()))
+    assert flattens[0] == 1

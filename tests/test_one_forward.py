@@ -286,11 +286,11 @@ def test_a_step_copies_no_input(jit, monkeypatch):
     from torchjax._to_jax import _call_plan, _rule_lowering
 
     copied = []
-    on_copies = _call_plan.CallPlan._invoke_on_copies
+    on_copies = _call_plan.CallPlan.invoke_on_copies
     released = _rule_lowering.copy_kept_inputs
     monkeypatch.setattr(
         _call_plan.CallPlan,
-        "_invoke_on_copies",
+        "invoke_on_copies",
         lambda self, *a, **k: copied.append("on copies") or on_copies(self, *a, **k),
     )
     monkeypatch.setattr(

@@ -147,13 +147,13 @@ def test_a_jitted_per_example_step_copies_no_input(monkeypatch):
 
     copied = []
     released = _rule_lowering.copy_kept_inputs
-    on_copies = _call_plan.CallPlan._invoke_on_copies
+    on_copies = _call_plan.CallPlan.invoke_on_copies
     monkeypatch.setattr(
         _rule_lowering, "copy_kept_inputs", lambda t: copied.append("copy") or released(t)
     )
     monkeypatch.setattr(
         _call_plan.CallPlan,
-        "_invoke_on_copies",
+        "invoke_on_copies",
         lambda self, *a, **k: copied.append("on copies") or on_copies(self, *a, **k),
     )
     step = jax.jit(jax.vmap(jax.value_and_grad(torchjax.to_jax(loss)), in_axes=(None, 0)))

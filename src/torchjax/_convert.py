@@ -102,6 +102,11 @@ _KEPT_DTYPES = frozenset(_TORCH_TO_NUMPY).difference(_NARROW_64)
 _strided = torch.strided
 
 
+def keeps_dtype(dtype: torch.dtype) -> bool:
+    """Whether a tensor of `dtype` becomes a JAX array of the same dtype (x64 policy)."""
+    return dtype in _KEPT_DTYPES or (_x64.value and dtype in _TORCH_TO_NUMPY)
+
+
 def canonical_torch_dtype(dtype: torch.dtype) -> torch.dtype:
     """The torch dtype a value of `dtype` has once it is a JAX array (x64 policy applied)."""
     if not _x64.value:
@@ -152,7 +157,8 @@ class _CpuDevice(threading.local):
 _cpu = _CpuDevice()
 
 
-def _jax_cpu_device() -> Any:
+def jax_cpu_device() -> Any:
+    """JAX's first CPU device, where CPU tensors become arrays by default."""
     if _cpu.device is None:
         _cpu.device = jax.devices("cpu")[0]
     return _cpu.device
@@ -193,7 +199,7 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value", device: Any = None) -> 
     ):
         # The common case, checked in one go: a dense CPU tensor XLA can alias as it is.
         if device is None or device.platform != "cpu":
-            device = _jax_cpu_device()
+            device = jax_cpu_device()
         return cpu_array_from_tensor(t, device)
     if t.layout != torch.strided:
         check_has_data(t, where)
@@ -210,7 +216,7 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value", device: Any = None) -> 
             # XLA aliases only dense, 64-byte aligned memory; anything else is copied once.
             t = t.clone(memory_format=torch.contiguous_format)
         if device is None or device.platform != "cpu":
-            device = _jax_cpu_device()
+            device = jax_cpu_device()
         try:
             return cpu_array_from_tensor(t, device)
         except RuntimeError:  # torch's DLPack export of a tensor without data

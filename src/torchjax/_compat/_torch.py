@@ -63,6 +63,7 @@ class _CpuImport:
 
 
 _to_capsule = torch.utils.dlpack.to_dlpack
+tensor_to_capsule = _to_capsule  # a tensor as a DLPack capsule (torch._C._to_dlpack)
 
 
 # `cpu_array_from_tensor(t, device)`: a contiguous, 64-byte aligned CPU tensor as a JAX

@@ -147,7 +147,7 @@ class CallPlan:
 
     def _invoke(self, tensors: list[torch.Tensor]) -> Any:
         if self.on_copies:
-            return self._invoke_on_copies(tensors, compare=False)
+            return self.invoke_on_copies(tensors, compare=False)
         for t in tensors:
             refuse_writes(t)
         grad_was_enabled = torch.is_grad_enabled()
@@ -159,16 +159,16 @@ class CallPlan:
             else:
                 out = self.fn(*_tree.tree_unflatten(self.in_tree, self._fill(tensors)))
         except Exception as e:
-            refused = self._refused(e, tensors)
+            refused = self.refused(e, tensors)
         finally:
             set_grad_enabled(grad_was_enabled)
         if refused:
-            return self._invoke_on_copies(tensors, compare=True)
+            return self.invoke_on_copies(tensors, compare=True)
         if any(map(_version, tensors)):
-            self._raise_mutated(tensors)
+            self.raise_mutated(tensors)
         return out
 
-    def _refused(self, error: Exception, tensors: list[torch.Tensor]) -> bool:
+    def refused(self, error: Exception, tensors: list[torch.Tensor]) -> bool:
         """True where fn's `error` is the guard refusing a write (fn then runs on copies,
         outside the caller's except: no chained traceback); raises anything else."""
         if isinstance(error, TorchJaxError):
@@ -219,7 +219,7 @@ class CallPlan:
         """Whether a derived call failed because fn runs torch.autograd itself."""
         return self.fn is not self.fn.root and runs_autograd_itself(error)
 
-    def _invoke_on_copies(self, tensors: list[torch.Tensor], compare: bool) -> Any:
+    def invoke_on_copies(self, tensors: list[torch.Tensor], compare: bool) -> Any:
         """fn on copies of `tensors`; with `compare`, each copy must still equal its input."""
         copies = [t.clone() for t in tensors]
         try:
@@ -279,15 +279,15 @@ class CallPlan:
         try:
             out = self.direct(*tensors)
         except Exception as e:
-            refused = self._refused(e, tensors)
+            refused = self.refused(e, tensors)
         finally:
             if grad_was_enabled:
                 set_grad_enabled(True)
         if refused:
-            return self._invoke_on_copies(tensors, compare=True)
+            return self.invoke_on_copies(tensors, compare=True)
         for t in tensors:
             if _version(t):
-                self._raise_mutated(tensors)
+                self.raise_mutated(tensors)
         return out
 
     def check_outputs(self, out: Any, strict: bool) -> Any:
@@ -379,7 +379,7 @@ class CallPlan:
     def input_path(self, k: int) -> str:
         return self.fn.arg_path(leaf_paths(self.in_tree)[self.positions[k]])
 
-    def _raise_mutated(self, tensors: list) -> None:
+    def raise_mutated(self, tensors: list) -> None:
         names = [self.input_path(k) for k in range(len(tensors))]
         check_versions(tensors, [0] * len(tensors), names, self.name, "seen after the real call")
 

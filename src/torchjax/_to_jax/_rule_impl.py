@@ -8,14 +8,37 @@
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import jax
 import torch
 
-from torchjax._compat._jax import array_committed, at_top_level, dlpack_export, sharding_device
-from torchjax._compat._torch import is_fake, tensor_from_capsule
-from torchjax._convert import ArrayImpl, array_to_tensor, tensor_to_jax, torch_dtype
+from torchjax._compat._jax import (
+    array_committed,
+    at_top_level,
+    dlpack_export,
+    dlpack_import,
+    sharding_device,
+)
+from torchjax._compat._torch import (
+    cpu_array_from_tensor,
+    is_fake,
+    is_view,
+    storage_cdata,
+    storage_use_count,
+    tensor_from_capsule,
+    tensor_to_capsule,
+    tensor_use_count,
+)
+from torchjax._convert import (
+    ArrayImpl,
+    array_to_tensor,
+    jax_cpu_device,
+    keeps_dtype,
+    tensor_to_jax,
+    torch_dtype,
+)
 from torchjax._errors import ConversionError
 from torchjax._primitive._params import ARRAY, eager_type, store
 from torchjax._to_jax._call_plan import (
@@ -36,6 +59,8 @@ _SingleDevice = jax.sharding.SingleDeviceSharding
 _tree = jax.tree_util
 _from_capsule, _export = tensor_from_capsule, dlpack_export
 _inference_mode = torch.is_inference_mode_enabled
+_getrefcount = sys.getrefcount
+_Tensor, _strided = torch.Tensor, torch.strided
 
 
 class Untyped:
@@ -81,11 +106,11 @@ class HotCall:
     arguments and nothing else, whose call plan is plain (see CallPlan.plain): its next
     call with arrays of the same types (avals) goes straight to the plan, past the
     flattening, hashing and lookups of a bind, with the plan's checks and the output's
-    conversion inlined (to_jax's wrapper tries it first). Any other call returns MISS and
-    takes the full way.
+    conversion inlined into one frame (`call`, which to_jax's wrapper tries first). Any
+    other call returns MISS and takes the full way.
     """
 
-    __slots__ = ("avals", "x64", "x64_value", "signature", "in_tree", "statics", "plan")
+    __slots__ = ("signature", "plan", "in_tree", "statics", "call")
 
     @staticmethod
     def of(operands: list, in_tree: Any, statics: tuple, x64: Any, signature: Any):
@@ -103,38 +128,11 @@ class HotCall:
         if plan is None or not plan.plain:
             return None
         hot = HotCall()
-        hot.avals, hot.x64, hot.x64_value = tuple(x.aval for x in operands), x64, x64.value
         hot.in_tree, hot.statics, hot.signature, hot.plan = in_tree, statics, signature, plan
+        hot.call = _hot_call(hot, tuple(x.aval for x in operands), x64, plan)
         return hot
 
-    def __call__(self, args: tuple) -> Any:
-        """The call's output, or MISS where `args` or the context are not those of this
-        signature (a trace is active, a fake run, inference mode, x64 changed)."""
-        avals = self.avals
-        if len(args) != len(avals) or self.x64.value != self.x64_value:
-            return MISS
-        if not at_top_level() or fake_runs.depth or _inference_mode():
-            return MISS
-        committed = False
-        for x, aval in zip(args, avals, strict=True):
-            if type(x) is not ArrayImpl or x.aval != aval or x.platform() != "cpu":
-                return MISS
-            if type(x.sharding) is not _SingleDevice:  # a sharded array: the full way says so
-                return MISS
-            committed = committed or array_committed(x)
-        plan = self.plan
-        if not plan.plain:  # it ran on copies since
-            return MISS
-        device = _committed_device(args, plan) if committed else None
-        out = plan.call_plain([_from_capsule(_export(x, stream=None)) for x in args])
-        if type(out) is torch.Tensor and out.dtype is plan.plain_dtype:
-            if out.shape == plan.plain_shape and owns_memory_alone(out, 1):
-                return tensor_to_jax(out, plan.out_paths[0], device)
-        box = [out]
-        del out  # the output's references are now in `box` alone (see owns_memory_alone)
-        return self._rest(box, device)
-
-    def _rest(self, box: list, device: Any) -> Any:
+    def rest(self, box: list, device: Any) -> Any:
         """The call after fn returned ``box[0]``, where the inlined steps do not cover it;
         `box` holds the only reference to the output, and is emptied."""
         plan, signature = self.plan, self.signature
@@ -150,6 +148,75 @@ class HotCall:
             )
         memo = signature.memo
         return _untyped_outputs(memo["plan"], results[1], device, memo, self.in_tree, self.statics)
+
+
+def _hot_call(hot: HotCall, avals: tuple, x64: Any, plan: CallPlan) -> Any:
+    """HotCall.call for `plan`: ``call(args)`` is the call's output, or MISS where `args` or
+    the context are not those of this signature (a trace is active, a fake run, inference
+    mode, x64 changed). After plan.call_plain, the steps of owns_memory_alone and
+    tensor_to_jax are inlined with what the signature fixes (one frame: this runs on every
+    call); anything they do not cover goes to the functions themselves."""
+    n, x64_value = len(avals), x64.value
+    dtype, shape, where = plan.plain_dtype, plan.plain_shape, plan.out_paths[0]
+    cpu = jax_cpu_device()
+    # The output's dtype, fixed by the plan, is one XLA aliases as it is (tensor_to_jax).
+    kept_dtype = keeps_dtype(dtype)
+    form = cpu_array_from_tensor.form  # jaxlib's DLPack import signature, once found
+
+    def call(args: tuple) -> Any:
+        if len(args) != n or x64.value != x64_value or not plan.plain:  # plain: not on copies
+            return MISS
+        if not at_top_level() or fake_runs.depth or _inference_mode():
+            return MISS
+        committed = False
+        tensors = []
+        for x, aval in zip(args, avals, strict=True):
+            if type(x) is not ArrayImpl or x.aval != aval or x.platform() != "cpu":
+                return MISS
+            if type(x.sharding) is not _SingleDevice:  # a sharded array: the full way says so
+                return MISS
+            committed = committed or array_committed(x)
+            tensors.append(_from_capsule(_export(x, stream=None)))
+        device = _committed_device(args, plan) if committed else cpu
+        out = plan.call_plain(tensors)
+        tensors = None
+        # owns_memory_alone(out, 1) and tensor_to_jax's common case, inlined. References to
+        # `out`: this frame's and getrefcount's argument; to its storage: `storage`,
+        # getrefcount's argument and torch's own (see owns_memory_alone).
+        if (
+            type(out) is _Tensor
+            and out.dtype is dtype
+            and out.shape == shape
+            and kept_dtype
+            and form is not None
+            and _getrefcount(out) == 2
+            and tensor_use_count(out) == 1
+            and not out.requires_grad
+            and out.is_cpu
+            and out.layout is _strided
+            and not is_view(out)
+        ):
+            storage = out.untyped_storage()
+            if (
+                storage.resizable()
+                and _getrefcount(storage) == 3
+                and storage_use_count(storage_cdata(storage)) == 2
+                and out.is_contiguous()
+                and not out.const_data_ptr() % 64
+                and not out.is_conj()
+                and not out.is_neg()
+            ):
+                storage = None
+                return dlpack_import(tensor_to_capsule(out), device, *form)
+            storage = None
+        box = [out]
+        del out  # the output's references are now in `box` alone (see owns_memory_alone)
+        if type(box[0]) is _Tensor and box[0].dtype is dtype and box[0].shape == shape:
+            if owns_memory_alone(box[0], 1):
+                return tensor_to_jax(box.pop(), where, device)
+        return hot.rest(box, None if device is cpu else device)
+
+    return call
 
 
 class _Miss:

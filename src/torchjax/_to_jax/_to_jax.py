@@ -125,7 +125,7 @@ def to_jax(
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         hot = params.hot  # the last eager signature's shortcut (see HotCall)
         if hot is not None and not kwargs:
-            out = hot(args)
+            out = hot.call(args)
             if out is not MISS:
                 return out
         try:

@@ -76,20 +76,23 @@ class Spec:
         """Call the jitted function on real tensors; zero-copy in and out."""
         arrays = [tensor_to_jax(t, p) for t, p in zip(tensors, self.in_paths, strict=True)]
         outs = self.jitted(*arrays)
-        # Outputs are fresh XLA buffers unless XLA forwarded an input or deduplicated two
-        # outputs; torch must not see two tensors that secretly share memory, so copy then.
+        return tuple(self.unshared(tensors, [array_to_tensor(o, self.out_where) for o in outs]))
+
+    @staticmethod
+    def unshared(tensors: tuple, results: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`results`, each that shares memory with an input or an earlier result copied.
+
+        Outputs are fresh XLA buffers unless XLA forwarded an input or deduplicated two
+        outputs; torch must not see two tensors that secretly share memory."""
         seen = {t.data_ptr() for t in tensors}
-        result = []
-        for o in outs:
-            t = array_to_tensor(o, self.out_where)
+        for k, t in enumerate(results):
             if t.numel():
                 ptr = t.data_ptr()
                 if ptr in seen:
-                    t = t.clone()
+                    t = results[k] = t.clone()
                     ptr = t.data_ptr()
                 seen.add(ptr)
-            result.append(t)
-        return tuple(result)
+        return results
 
     def _derive(self, key: Any, build: Callable[[], Spec]) -> Spec:
         spec = self._derived.get(key)

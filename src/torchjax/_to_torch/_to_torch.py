@@ -26,6 +26,7 @@ from torchjax._compat._torch import (
 )
 from torchjax._convert import canonical_jax_dtype
 from torchjax._errors import ArgumentError, ConversionError, JaxOutputError, StaticArgumentError
+from torchjax._to_torch._hot_call import MISS, hot_call
 from torchjax._to_torch._spec import Spec, run_spec
 
 _tree = jax.tree_util
@@ -317,20 +318,15 @@ def to_torch(jax_fn: Callable[..., Any] | None = None, *, has_aux: bool = False)
         )
     name = getattr(jax_fn, "__qualname__", None) or type(jax_fn).__qualname__
     cache: dict[tuple, tuple[Spec, Any]] = {}
-    # The last signature called with tensors alone, positionally: (shapes and dtypes, x64,
-    # spec, out_tree). A call of the same types skips the flattening and the cache's
-    # hashing: the key it would build is the one the spec was found by.
+    # The last signature called with tensors alone, positionally (see _hot_call.py).
     hot: list = [None]
 
     def call(*args: Any, **kwargs: Any) -> Any:
         last = hot[0]
-        if last is not None and not kwargs and len(args) == len(last[0]):
-            for a, (shape, dtype) in zip(args, last[0], strict=True):
-                if not isinstance(a, torch.Tensor) or a.dtype is not dtype or a.shape != shape:
-                    break
-            else:
-                if last[1] == _x64.value:
-                    return _run(last[2], last[3], args)
+        if last is not None and not kwargs:
+            out = last(args)
+            if out is not MISS:
+                return out
         leaves, treedef = _tree.tree_flatten((args, kwargs))
         tensors = []
         key: list[Any] = [treedef, _x64.value]
@@ -353,10 +349,10 @@ def to_torch(jax_fn: Callable[..., Any] | None = None, *, has_aux: bool = False)
             if key is not None:
                 cache[tuple(key)] = hit
         spec, out_tree = hit
+        out = _run(spec, out_tree, tensors)
         if key is not None and not kwargs and len(tensors) == len(args):
-            types = tuple((t.shape, t.dtype) for t in tensors)
-            hot[0] = (types, key[1], spec, out_tree)
-        return _run(spec, out_tree, tensors)
+            hot[0] = hot_call(spec, tensors, _run, out_tree)  # after the run: DLPack is set up
+        return out
 
     # torch.compile: Dynamo cannot trace jax's C++ pytree code, so it records a call to
     # `wrapped` in the graph and runs it on fake tensors, where `forward` emits the custom

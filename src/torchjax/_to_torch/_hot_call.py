@@ -1,0 +1,93 @@
+# to_torch's shortcut for a repeated call: the last signature called with tensors alone,
+# positionally. A call of the same types skips the flattening and the cache's hashing (the
+# key it would build is the one the spec was found by), and where no autograd, torch.func
+# transform or torch.compile is involved, runs the jitted function with Spec.run's
+# conversions inlined: one frame on every call, the work of the fastest hand-written bridge
+# plus the checks that keep it exact.
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import torch
+
+from torchjax._compat._jax import dlpack_export, dlpack_import, jax_config
+from torchjax._compat._torch import (
+    cpu_array_from_tensor,
+    forward_ad_active,
+    functorch_transforms_active,
+    tensor_from_capsule,
+    tensor_to_capsule,
+)
+from torchjax._convert import ArrayImpl, array_to_tensor, jax_cpu_device, keeps_dtype
+from torchjax._to_torch._spec import Spec
+
+_x64 = jax_config.enable_x64
+_SingleDevice = jax.sharding.SingleDeviceSharding
+_grad_enabled = torch.is_grad_enabled
+_Tensor, _Parameter, _strided = torch.Tensor, torch.nn.Parameter, torch.strided
+
+MISS = object()  # a call the shortcut does not cover: it takes the full way
+
+
+def hot_call(spec: Spec, tensors: list, run: Callable[[Spec, Any, tuple], Any], out_tree: Any):
+    """The shortcut for calls with tensors like `tensors` (shapes, dtypes), in the current
+    x64 mode: ``call(args)`` is the call's output, or MISS where `args` differ. `run(spec,
+    out_tree, tensors)` is the full call of a spec (through autograd where needed)."""
+    types = tuple((t.shape, t.dtype) for t in tensors)
+    n, x64_value = len(types), _x64.value
+    single = out_tree.num_leaves == 1 and out_tree.num_nodes == 1
+    form = cpu_array_from_tensor.form  # jaxlib's DLPack import signature, once found
+    # Inlined only where every input keeps its dtype as an array and there are outputs.
+    inline = form is not None and spec.out_avals and all(keeps_dtype(d) for _, d in types)
+    jitted, cpu, out_where = spec.jitted, jax_cpu_device(), spec.out_where
+
+    def call(args: tuple) -> Any:
+        if len(args) != n or _x64.value != x64_value:
+            return MISS
+        plain = inline
+        for a, (shape, dtype) in zip(args, types, strict=True):
+            if not isinstance(a, _Tensor) or a.dtype is not dtype or a.shape != shape:
+                return MISS
+            if type(a) is not _Tensor and type(a) is not _Parameter:
+                plain = False  # a fake or functional tensor: torch.compile is tracing
+        if not plain or functorch_transforms_active() or forward_ad_active():
+            return run(spec, out_tree, args)
+        if _grad_enabled():
+            for a in args:
+                if a.requires_grad:
+                    return run(spec, out_tree, args)
+        # Spec.run, its conversions inlined (tensor_to_jax's, array_to_tensor's common case)
+        arrays = []
+        for a in args:
+            if not (
+                a.is_cpu
+                and a.layout is _strided
+                and a.is_contiguous()
+                and not a.const_data_ptr() % 64
+                and not a.is_conj()
+                and not a.is_neg()
+            ):
+                return run(spec, out_tree, args)  # a copy or another device: the full way
+            arrays.append(dlpack_import(tensor_to_capsule(a), cpu, *form))
+        outs = jitted(*arrays)
+        results = []
+        for o in outs:
+            if type(o) is ArrayImpl and type(o.sharding) is _SingleDevice and o.platform() == "cpu":
+                results.append(tensor_from_capsule(dlpack_export(o, stream=None)))
+            else:
+                results.append(array_to_tensor(o, out_where))
+        # XLA may forward an input as an output, or give two outputs one buffer; torch must
+        # not see two tensors that secretly share memory (as in Spec.run).
+        if n == 1 and len(results) == 1:
+            r = results[0]
+            if r.numel() and r.data_ptr() == args[0].data_ptr():
+                results[0] = r.clone()
+        else:
+            results = spec.unshared(args, results)
+        if single:
+            return results[0]
+        return out_tree.unflatten(results)
+
+    return call
