@@ -55,6 +55,15 @@ else:
         return False
 
 
+# For a shortcut that asks at_top_level in its own frame, ``type(trace_context.trace) is
+# eval_trace_type``; both None where either is missing (at_top_level is then always False).
+trace_context, eval_trace_type = (
+    (_trace_ctx, _EvalTrace)
+    if _trace_ctx is not ABSENT and _EvalTrace is not ABSENT
+    else (None, None)
+)
+
+
 # Inside shard_map, operands that vary over different manual mesh axes must be cast to vary
 # over all of them before a bind (JAX's own primitives do it). JAX 0.8 called it
 # standard_insert_pvary.

@@ -163,6 +163,13 @@ def forward_ad_active() -> bool:
     return getattr(_forward_ad, "_current_level", 0) >= 0
 
 
+# For a shortcut that reads both in one frame: the C function behind
+# functorch_transforms_active, and the module whose `_current_level` forward_ad_active
+# reads; None where missing (the shortcut then takes the full way).
+transforms_active_c = None if _transforms_active is ABSENT else _transforms_active
+forward_ad_levels = _forward_ad if hasattr(_forward_ad, "_current_level") else None
+
+
 # Leaves functorch's interpreter stack for a moment (setting generator state inside a
 # torch.func transform must not be intercepted by it).
 DisableFuncTorch = private("torch._C._DisableFuncTorch")

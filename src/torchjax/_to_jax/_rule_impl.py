@@ -16,10 +16,11 @@ import torch
 
 from torchjax._compat._jax import (
     array_committed,
-    at_top_level,
     dlpack_export,
     dlpack_import,
+    eval_trace_type,
     sharding_device,
+    trace_context,
 )
 from torchjax._compat._torch import (
     cpu_array_from_tensor,
@@ -118,6 +119,8 @@ class HotCall:
         n = len(operands)
         if _export is None or len(statics) != n or in_tree != _positional(n):
             return None  # static leaves, a nested or keyword tree
+        if trace_context is None:
+            return None  # whether a trace is active is unknown: JAX dispatches every call
         for x in operands:
             if type(x) is not ArrayImpl or x.platform() != "cpu":
                 return None
@@ -159,20 +162,25 @@ def _hot_call(hot: HotCall, avals: tuple, x64: Any, plan: CallPlan) -> Any:
     n, x64_value = len(avals), x64.value
     dtype, shape, where = plan.plain_dtype, plan.plain_shape, plan.out_paths[0]
     cpu = jax_cpu_device()
-    # The output's dtype, fixed by the plan, is one XLA aliases as it is (tensor_to_jax).
-    kept_dtype = keeps_dtype(dtype)
     form = cpu_array_from_tensor.form  # jaxlib's DLPack import signature, once found
+    # The output's dtype, fixed by the plan, is one XLA aliases as it is (tensor_to_jax),
+    # and jaxlib's import is set up; only a complex tensor can have its conjugate bit set.
+    aliasable = keeps_dtype(dtype) and form is not None
+    complex_out = dtype.is_complex
 
     def call(args: tuple) -> Any:
         if len(args) != n or x64.value != x64_value or not plan.plain:  # plain: not on copies
             return MISS
-        if not at_top_level() or fake_runs.depth or _inference_mode():
+        # at_top_level(), inlined: no JAX trace or transformation is active
+        if type(trace_context.trace) is not eval_trace_type:
             return MISS
-        committed = False
-        tensors = []
-        for x, aval in zip(args, avals, strict=True):
-            if type(x) is not ArrayImpl or x.aval != aval or x.platform() != "cpu":
+        if fake_runs.depth or _inference_mode():
+            return MISS
+        committed, tensors, i = False, [], 0
+        for x in args:  # (indexed: zip and unpacking cost more than the checks)
+            if type(x) is not ArrayImpl or x.aval != avals[i] or x.platform() != "cpu":
                 return MISS
+            i += 1
             if type(x.sharding) is not _SingleDevice:  # a sharded array: the full way says so
                 return MISS
             committed = committed or array_committed(x)
@@ -184,11 +192,10 @@ def _hot_call(hot: HotCall, avals: tuple, x64: Any, plan: CallPlan) -> Any:
         # `out`: this frame's and getrefcount's argument; to its storage: `storage`,
         # getrefcount's argument and torch's own (see owns_memory_alone).
         if (
-            type(out) is _Tensor
+            aliasable
+            and type(out) is _Tensor
             and out.dtype is dtype
             and out.shape == shape
-            and kept_dtype
-            and form is not None
             and _getrefcount(out) == 2
             and tensor_use_count(out) == 1
             and not out.requires_grad
@@ -203,7 +210,7 @@ def _hot_call(hot: HotCall, avals: tuple, x64: Any, plan: CallPlan) -> Any:
                 and storage_use_count(storage_cdata(storage)) == 2
                 and out.is_contiguous()
                 and not out.const_data_ptr() % 64
-                and not out.is_conj()
+                and not (complex_out and out.is_conj())
                 and not out.is_neg()
             ):
                 storage = None

@@ -15,10 +15,10 @@ import torch
 from torchjax._compat._jax import dlpack_export, dlpack_import, jax_config
 from torchjax._compat._torch import (
     cpu_array_from_tensor,
-    forward_ad_active,
-    functorch_transforms_active,
+    forward_ad_levels,
     tensor_from_capsule,
     tensor_to_capsule,
+    transforms_active_c,
 )
 from torchjax._convert import ArrayImpl, array_to_tensor, jax_cpu_device, keeps_dtype
 from torchjax._to_torch._spec import Spec
@@ -35,24 +35,30 @@ def hot_call(spec: Spec, tensors: list, run: Callable[[Spec, Any, tuple], Any], 
     """The shortcut for calls with tensors like `tensors` (shapes, dtypes), in the current
     x64 mode: ``call(args)`` is the call's output, or MISS where `args` differ. `run(spec,
     out_tree, tensors)` is the full call of a spec (through autograd where needed)."""
-    types = tuple((t.shape, t.dtype) for t in tensors)
-    n, x64_value = len(types), _x64.value
+    shapes, dtypes = tuple(t.shape for t in tensors), tuple(t.dtype for t in tensors)
+    n, x64_value = len(shapes), _x64.value
     single = out_tree.num_leaves == 1 and out_tree.num_nodes == 1
     form = cpu_array_from_tensor.form  # jaxlib's DLPack import signature, once found
     # Inlined only where every input keeps its dtype as an array and there are outputs.
-    inline = form is not None and spec.out_avals and all(keeps_dtype(d) for _, d in types)
+    inline = form is not None and spec.out_avals and all(map(keeps_dtype, dtypes))
+    inline = inline and transforms_active_c is not None and forward_ad_levels is not None
+    transforms_active, forward_ad = transforms_active_c, forward_ad_levels
+    complex_in = any(d.is_complex for d in dtypes)  # only these can have the conjugate bit
     jitted, cpu, out_where = spec.jitted, jax_cpu_device(), spec.out_where
 
     def call(args: tuple) -> Any:
         if len(args) != n or _x64.value != x64_value:
             return MISS
-        plain = inline
-        for a, (shape, dtype) in zip(args, types, strict=True):
-            if not isinstance(a, _Tensor) or a.dtype is not dtype or a.shape != shape:
+        plain, i = inline, 0
+        for a in args:  # (indexed: zip and unpacking cost more than the checks)
+            if not isinstance(a, _Tensor) or a.dtype is not dtypes[i] or a.shape != shapes[i]:
                 return MISS
             if type(a) is not _Tensor and type(a) is not _Parameter:
                 plain = False  # a fake or functional tensor: torch.compile is tracing
-        if not plain or functorch_transforms_active() or forward_ad_active():
+            i += 1
+        # plain, no torch.func transform (functorch_transforms_active), no forward-mode
+        # dual level (forward_ad_active), no input that autograd follows: Spec.run.
+        if not plain or transforms_active() or forward_ad._current_level >= 0:
             return run(spec, out_tree, args)
         if _grad_enabled():
             for a in args:
@@ -66,7 +72,7 @@ def hot_call(spec: Spec, tensors: list, run: Callable[[Spec, Any, tuple], Any], 
                 and a.layout is _strided
                 and a.is_contiguous()
                 and not a.const_data_ptr() % 64
-                and not a.is_conj()
+                and not (complex_in and a.is_conj())
                 and not a.is_neg()
             ):
                 return run(spec, out_tree, args)  # a copy or another device: the full way

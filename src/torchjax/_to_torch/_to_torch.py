@@ -32,6 +32,7 @@ from torchjax._to_torch._spec import Spec, run_spec
 _tree = jax.tree_util
 _x64 = jax_config.enable_x64
 _grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
 
 __all__ = ["to_torch"]
 
@@ -322,11 +323,6 @@ def to_torch(jax_fn: Callable[..., Any] | None = None, *, has_aux: bool = False)
     hot: list = [None]
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        last = hot[0]
-        if last is not None and not kwargs:
-            out = last(args)
-            if out is not MISS:
-                return out
         leaves, treedef = _tree.tree_flatten((args, kwargs))
         tensors = []
         key: list[Any] = [treedef, _x64.value]
@@ -362,8 +358,13 @@ def to_torch(jax_fn: Callable[..., Any] | None = None, *, has_aux: bool = False)
 
     @functools.wraps(jax_fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             return call_eager(*args, **kwargs)
+        last = hot[0]
+        if last is not None and not kwargs:
+            out = last(args)
+            if out is not MISS:
+                return out
         return call(*args, **kwargs)
 
     return torch.compiler.allow_in_graph(wrapped)
