@@ -94,22 +94,16 @@ def callback_call(
     With `share_outputs` (a VJP through a kept graph), XLA's output buffers are offered to
     the call (OUTPUT_BUFFERS): a gradient it writes there itself, returned as that buffer,
     is not copied again, and torch's own is freed as soon as it was written. A plain
-    `plan` (see CallPlan.plain) whose `run` this is has its call inlined (_plain_cpu_call)."""
+    `plan` (see CallPlan.plain) whose `run` this is has its call inlined (_plain_host)."""
     if not USE_BUFFER_CALLBACK:
         return _pure_callback_call(_notes_in_message(run), operands, out_structs, out_paths)
     on_cpu = None  # fixed by the first call: a buffer_callback is lowered for one platform
     # One output of a fixed dtype: its copy without the loop, measured 0.5 µs (4%) faster.
     one_out = torch_dtype(out_structs[0].dtype) if len(out_structs) == 1 else None
-    plain = None
-    if plan is not None and plan.plain and not share_outputs:
-        plain = _plain_cpu_call(plan)
 
     def host(ctx: Any, outs: list, *ins: Any) -> None:
         try:
             if on_cpu and not share_outputs and not _inference_mode():
-                if plain is not None and plan.plain:  # (unset once it runs on copies)
-                    plain(outs, ins)
-                    return
                 # The CPU path, inlined: this runs on every call of a jitted function.
                 tensors = [tensor_from_capsule(b.__dlpack__()) for b in ins]
                 results = run(tensors)
@@ -163,39 +157,52 @@ def callback_call(
                 run, [tensor_from_capsule(b.__dlpack__()) for b in ins], outs, out_paths
             )
 
+    if plan is not None and plan.plain and not share_outputs:
+        return buffer_callback(_plain_host(plan, host), list(out_structs))(*operands)
     return buffer_callback(host, list(out_structs))(*operands)
 
 
-def _plain_cpu_call(plan: CallPlan) -> Callable[[list, tuple], None]:
-    """The host callback's CPU call for a plain plan, ``call(outs, ins)``: CallPlan.call_plain,
-    then plan.run's output check inlined with what the plan fixes, the copy into XLA's
-    buffer and the kept-input check (this runs on every call). Anything else goes to the
-    plan's own methods."""
+def _plain_host(plan: CallPlan, host: Callable) -> Callable:
+    """The host callback for a plain plan (see CallPlan.plain): on CPU, CallPlan.call_plain
+    and then, inlined with what the plan fixes, plan.run's output check, the copy into
+    XLA's buffer and the kept-input check (one frame: this runs on every call). The first
+    call, a GPU, inference mode and a plan that runs on copies since go to `host`."""
     dtype, shape, where = plan.plain_dtype, plan.plain_shape, plan.out_paths[0]
+    on_cpu = False  # known after the first call (a callback is lowered for one platform)
 
-    def call(outs: list, ins: tuple) -> None:
-        tensors = [tensor_from_capsule(b.__dlpack__()) for b in ins]
-        out = plan.call_plain(tensors)
-        if type(out) is _Tensor and out.dtype is dtype and out.shape == shape:
-            try:
-                tensor_from_capsule(outs[0].__dlpack__()).copy_(out)
-            except Exception:
-                check_has_data(out, where)  # meta or sparse: say which
-                raise
-        else:
-            results = plan.check_outputs(out if type(out) is _Tensor else as_jax_tree(out), True)
-            _write_all(results, outs, plan.out_paths, _buffer_tensor)
-            results = None
-        out = None
-        # An input the function kept a reference to (a cache, a hook) gets memory of its
-        # own before XLA reuses the buffer; the common case (none kept) inlined.
-        for t in tensors:
-            if _refs(t) != 3 or tensor_use_count(t) != 1 or _uses(_storage_id(t)) != 1:
-                del t  # copy_kept_inputs counts the references to each input
-                copy_kept_inputs(tensors)
-                break
+    def plain_host(ctx: Any, outs: list, *ins: Any) -> None:
+        nonlocal on_cpu
+        if not on_cpu or not plan.plain or _inference_mode():
+            on_cpu = on_cpu or (ins or outs)[0].__dlpack_device__()[0] == _DL_CPU
+            return host(ctx, outs, *ins)
+        try:
+            tensors = [tensor_from_capsule(b.__dlpack__()) for b in ins]
+            out = plan.call_plain(tensors)
+            if type(out) is _Tensor and out.dtype is dtype and out.shape == shape:
+                try:
+                    tensor_from_capsule(outs[0].__dlpack__()).copy_(out)
+                except Exception:
+                    check_has_data(out, where)  # meta or sparse: say which
+                    raise
+            else:
+                results = plan.check_outputs(
+                    out if type(out) is _Tensor else as_jax_tree(out), True
+                )
+                _write_all(results, outs, plan.out_paths, _buffer_tensor)
+                results = None
+            out = None
+            # An input the function kept a reference to (a cache, a hook) gets memory of
+            # its own before XLA reuses the buffer; the common case (none kept) inlined.
+            for t in tensors:
+                if _refs(t) != 3 or tensor_use_count(t) != 1 or _uses(_storage_id(t)) != 1:
+                    del t  # copy_kept_inputs counts the references to each input
+                    copy_kept_inputs(tensors)
+                    break
+        except Exception as e:
+            _move_notes(e)
+            raise
 
-    return call
+    return plain_host
 
 
 def _buffer_tensor(buf: Any) -> torch.Tensor:
