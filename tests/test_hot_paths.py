@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 
 import torchjax
 from torchjax._to_jax._torch_call import torch_call_p
@@ -357,6 +358,9 @@ def test_a_repeated_to_torch_call_differentiates(flattens):
     torch.testing.assert_close(torch.func.vmap(f)(a[None]), torch.sin(a).sum()[None])
     with torch.no_grad():
         assert not f(p).requires_grad
+    with fwAD.dual_level():  # forward mode without torch.func: the dual level alone says so
+        tangent = fwAD.unpack_dual(f(fwAD.make_dual(a, torch.ones(5)))).tangent
+    torch.testing.assert_close(tangent, torch.cos(a).sum())
     assert flattens[0] == 1
 
 

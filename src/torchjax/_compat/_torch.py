@@ -6,6 +6,7 @@
 # _jax.py's banner).
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import sys
@@ -163,11 +164,15 @@ def forward_ad_active() -> bool:
     return getattr(_forward_ad, "_current_level", 0) >= 0
 
 
-# For a shortcut that reads both in one frame: the C function behind
-# functorch_transforms_active, and the module whose `_current_level` forward_ad_active
-# reads; None where missing (the shortcut then takes the full way).
+# For a shortcut that asks both without a Python frame: the C function behind
+# functorch_transforms_active, and forward_ad_active's read of the open dual level (-1:
+# none) as a C call; None where missing (the shortcut then takes the full way).
 transforms_active_c = None if _transforms_active is ABSENT else _transforms_active
-forward_ad_levels = _forward_ad if hasattr(_forward_ad, "_current_level") else None
+forward_ad_level = (
+    functools.partial(getattr, _forward_ad, "_current_level")
+    if hasattr(_forward_ad, "_current_level")
+    else None
+)
 
 
 # Leaves functorch's interpreter stack for a moment (setting generator state inside a

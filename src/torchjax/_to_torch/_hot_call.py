@@ -15,7 +15,7 @@ import torch
 from torchjax._compat._jax import dlpack_export, dlpack_import, jax_config
 from torchjax._compat._torch import (
     cpu_array_from_tensor,
-    forward_ad_levels,
+    forward_ad_level,
     tensor_from_capsule,
     tensor_to_capsule,
     transforms_active_c,
@@ -41,8 +41,8 @@ def hot_call(spec: Spec, tensors: list, run: Callable[[Spec, Any, tuple], Any], 
     form = cpu_array_from_tensor.form  # jaxlib's DLPack import signature, once found
     # Inlined only where every input keeps its dtype as an array and there are outputs.
     inline = form is not None and spec.out_avals and all(map(keeps_dtype, dtypes))
-    inline = inline and transforms_active_c is not None and forward_ad_levels is not None
-    transforms_active, forward_ad = transforms_active_c, forward_ad_levels
+    inline = inline and transforms_active_c is not None and forward_ad_level is not None
+    transforms_active, dual_level = transforms_active_c, forward_ad_level
     complex_in = any(d.is_complex for d in dtypes)  # only these can have the conjugate bit
     jitted, cpu, out_where = spec.jitted, jax_cpu_device(), spec.out_where
 
@@ -58,7 +58,7 @@ def hot_call(spec: Spec, tensors: list, run: Callable[[Spec, Any, tuple], Any], 
             i += 1
         # plain, no torch.func transform (functorch_transforms_active), no forward-mode
         # dual level (forward_ad_active), no input that autograd follows: Spec.run.
-        if not plain or transforms_active() or forward_ad._current_level >= 0:
+        if not plain or transforms_active() or dual_level() >= 0:
             return run(spec, out_tree, args)
         if _grad_enabled():
             for a in args:
