@@ -262,6 +262,68 @@ def test_list_a_function_appends_its_input_to_keeps_only_real_tensors():
     np.testing.assert_array_equal(kept[-1].cpu().numpy(), [2.0, 2.0, 2.0])
 
 
+class _Registry(dict):
+    """A dict whose get and [] mean something else (as transformers' _CanRecordRegistry,
+    which a tiny GPT-2's forward reads, keys on a model's class)."""
+
+    def __setitem__(self, obj, value):
+        super().__setitem__(type(obj).__name__, value)
+
+    def get(self, obj):
+        return super().get(type(obj).__name__) or {}
+
+
+class _Log(list):
+    """A list whose iteration and length mean something else."""
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self):
+        return 0
+
+
+def test_fake_run_puts_back_dict_and_list_subclasses_as_stored():
+    # The shape-finding fake run puts back what it touched through dict's and list's own
+    # methods, not the subclass's (whose get took one argument: jit raised TypeError).
+    registry, log = _Registry(), _Log()
+    registry[torch.nn.Linear(1, 1)] = {"scale": 3.0}
+
+    def f(x):
+        y = x * registry.get(torch.nn.Linear(1, 1))["scale"]
+        dict.__setitem__(registry, "last", y)  # caches filled in place, as stored
+        list.append(log, y)
+        return y
+
+    f_jit = jax.jit(torchjax.to_jax(f))
+    for k in (1.0, 2.0):
+        np.testing.assert_array_equal(f_jit(jnp.full(3, k)), np.full(3, 3 * k))
+    assert type(dict.get(registry, "last")) is torch.Tensor
+    assert [type(t) for t in list.copy(log)] == [torch.Tensor, torch.Tensor]
+    assert dict.get(registry, "Linear") == {"scale": 3.0}
+
+
+def test_jitted_tiny_gpt2_through_a_closure():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        vocab_size=100,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    logits = torchjax.to_jax(lambda ids: model(ids).logits)
+    ids = np.random.default_rng(0).integers(0, 100, (2, 8)).astype(np.int32)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(ids).long()).logits.numpy()
+    np.testing.assert_allclose(jax.jit(logits)(jnp.asarray(ids)), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logits(jnp.asarray(ids)), expected, rtol=1e-5, atol=1e-5)
+
+
 class _Box:
     __slots__ = ("value",)  # no __dict__: torchjax cannot put back what it holds
 

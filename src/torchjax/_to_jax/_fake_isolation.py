@@ -119,16 +119,18 @@ class Reachable:
             return found + list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
         if isinstance(obj, types.MethodType):
             return [obj.__self__, obj.__func__]
+        # (the built-in types' own methods: a subclass's may mean something else; see
+        # _snapshots.py)
         if isinstance(obj, list):
-            if len(obj) > _MAX_ITEMS:
+            if list.__len__(obj) > _MAX_ITEMS:
                 return []
             self.snapshots.append(ListSnapshot(obj))
-            return [] if last else list(obj)
+            return [] if last else list.copy(obj)
         if isinstance(obj, dict):
-            if len(obj) > _MAX_ITEMS:
+            if dict.__len__(obj) > _MAX_ITEMS:
                 return []
             self.snapshots.append(DictSnapshot(obj))
-            return [] if last else list(obj.values())
+            return [] if last else list(dict.values(obj))
         if isinstance(obj, tuple | set | frozenset):
             return [] if last or len(obj) > _MAX_ITEMS else list(obj)
         if hasattr(obj, "func") and hasattr(obj, "args") and hasattr(obj, "keywords"):  # partial

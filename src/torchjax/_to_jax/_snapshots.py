@@ -131,6 +131,15 @@ def _differs(v: Any, saved: Any) -> bool:
     return v != saved
 
 
+# A fake run's snapshots read and write dicts and lists through the built-in types' own
+# methods: a subclass may give get, [] or iteration another meaning (transformers'
+# _CanRecordRegistry.get takes a model, not a key), and what is saved and put back is the
+# entries as stored.
+_dict_copy, _dict_get, _dict_keys = dict.copy, dict.get, dict.keys
+_dict_set, _dict_del, _dict_len = dict.__setitem__, dict.__delitem__, dict.__len__
+_list_copy, _list_len, _list_set = list.copy, list.__len__, list.__setitem__
+
+
 class DictSnapshot:
     """The entries of a dict (all of them, or the globals a function names). Only entries
     that came to hold a fake tensor are put back: another thread may change the same dict
@@ -140,24 +149,24 @@ class DictSnapshot:
 
     def __init__(self, d: dict, keys: Any = None):
         self.d, self.every = d, keys is None
-        self.saved = dict(d) if keys is None else {k: d.get(k, _MISSING) for k in keys}
+        self.saved = _dict_copy(d) if keys is None else {k: _dict_get(d, k, _MISSING) for k in keys}
 
     def changed(self) -> bool:
         d = self.d
-        if self.every and len(d) != len(self.saved):
+        if self.every and _dict_len(d) != len(self.saved):
             return True
-        return any(d.get(k, _MISSING) is not v for k, v in self.saved.items())
+        return any(_dict_get(d, k, _MISSING) is not v for k, v in self.saved.items())
 
     def restore(self) -> None:
         d, saved = self.d, self.saved
-        keys = list(d) if self.every else list(saved)
+        keys = list(_dict_keys(d)) if self.every else list(saved)
         for k in keys:
-            now, before = d.get(k, _MISSING), saved.get(k, _MISSING)
+            now, before = _dict_get(d, k, _MISSING), saved.get(k, _MISSING)
             if now is not before and has_fake(now):
                 if before is _MISSING:
-                    del d[k]
+                    _dict_del(d, k)
                 else:
-                    d[k] = before
+                    _dict_set(d, k, before)
 
 
 class ListSnapshot:
@@ -167,14 +176,18 @@ class ListSnapshot:
     __slots__ = ("items", "saved")
 
     def __init__(self, items: list):
-        self.items, self.saved = items, list(items)
+        self.items, self.saved = items, _list_copy(items)
 
     def changed(self) -> bool:
-        return len(self.items) != len(self.saved) or not all(map(_is, self.items, self.saved))
+        items = self.items
+        if _list_len(items) != len(self.saved):
+            return True
+        return not all(map(_is, _list_copy(items), self.saved))
 
     def restore(self) -> None:
         before = {id(x) for x in self.saved}
-        self.items[:] = [x for x in self.items if id(x) in before or not has_fake(x)]
+        kept = [x for x in _list_copy(self.items) if id(x) in before or not has_fake(x)]
+        _list_set(self.items, slice(None), kept)
 
 
 def has_fake(value: Any) -> bool:
