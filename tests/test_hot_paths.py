@@ -433,3 +433,30 @@ def test_a_repeated_to_torch_call_of_a_parameter_under_no_grad(flattens):
     assert out.requires_grad  # grad mode on: through autograd
     torch.testing.assert_close(torch.autograd.grad(out.sum(), p)[0], -torch.sin(p.detach()))
     assert flattens[0] == 1
+
+
+def test_a_dropped_wrapper_frees_its_function_at_once():
+    # Without waiting for the cycle collector: the shortcut holds no cycle (docs/how_it_works.md,
+    # section 9: "a dropped wrapper, its closure ... are freed at once").
+    import gc
+    import weakref
+
+    class Fn:
+        def __call__(self, t):
+            return t * 2
+
+    fn = Fn()
+    gone = weakref.ref(fn)
+    wrapped = torchjax.to_jax(fn)
+    unwrapped = torchjax.to_torch(lambda a: a * 2)
+    for _ in range(2):  # the second call takes (and the first sets up) the shortcut
+        wrapped(jnp.ones(3))
+        unwrapped(torch.ones(3))
+    jax_side = weakref.ref(unwrapped)
+    gc.disable()
+    try:
+        del fn, wrapped, unwrapped
+        assert gone() is None
+        assert jax_side() is None
+    finally:
+        gc.enable()

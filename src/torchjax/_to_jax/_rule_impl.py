@@ -111,7 +111,7 @@ class HotCall:
     other call returns MISS and takes the full way.
     """
 
-    __slots__ = ("signature", "plan", "in_tree", "statics", "call")
+    __slots__ = ("signature", "call")
 
     @staticmethod
     def of(operands: list, in_tree: Any, statics: tuple, x64: Any, signature: Any):
@@ -131,34 +131,37 @@ class HotCall:
         if plan is None or not plan.plain:
             return None
         hot = HotCall()
-        hot.in_tree, hot.statics, hot.signature, hot.plan = in_tree, statics, signature, plan
-        hot.call = _hot_call(hot, tuple(x.aval for x in operands), x64, plan)
+        hot.signature = signature
+        hot.call = _hot_call(
+            tuple(x.aval for x in operands), x64, plan, signature, in_tree, statics
+        )
         return hot
 
-    def rest(self, box: list, device: Any) -> Any:
-        """The call after fn returned ``box[0]``, where the inlined steps do not cover it;
-        `box` holds the only reference to the output, and is emptied."""
-        plan, signature = self.plan, self.signature
-        if type(box[0]) is not torch.Tensor:
-            box[0] = as_jax_tree(box[0])
-        if type(signature) is not Untyped:
-            outs = to_jax_outputs(plan.check_outputs(box.pop(), True), plan.out_paths, device)
-            return _tree.tree_unflatten(signature.out_tree, outs)
-        results = plan.check_outputs(box.pop(), strict=False)  # plan: the memo's typed one
-        if type(results) is list:
-            return _tree.tree_unflatten(
-                plan.out_tree, to_jax_outputs(results, plan.out_paths, device)
-            )
-        memo = signature.memo
-        return _untyped_outputs(memo["plan"], results[1], device, memo, self.in_tree, self.statics)
+
+def _rest(plan: CallPlan, signature: Any, in_tree: Any, statics: tuple, box: list, device: Any):
+    """A HotCall's call after fn returned ``box[0]``, where the inlined steps do not cover
+    it; `box` holds the only reference to the output, and is emptied."""
+    if type(box[0]) is not torch.Tensor:
+        box[0] = as_jax_tree(box[0])
+    if type(signature) is not Untyped:
+        outs = to_jax_outputs(plan.check_outputs(box.pop(), True), plan.out_paths, device)
+        return _tree.tree_unflatten(signature.out_tree, outs)
+    results = plan.check_outputs(box.pop(), strict=False)  # plan: the memo's typed one
+    if type(results) is list:
+        return _tree.tree_unflatten(plan.out_tree, to_jax_outputs(results, plan.out_paths, device))
+    memo = signature.memo
+    return _untyped_outputs(memo["plan"], results[1], device, memo, in_tree, statics)
 
 
-def _hot_call(hot: HotCall, avals: tuple, x64: Any, plan: CallPlan) -> Any:
+def _hot_call(
+    avals: tuple, x64: Any, plan: CallPlan, signature: Any, in_tree: Any, statics: tuple
+) -> Any:
     """HotCall.call for `plan`: ``call(args)`` is the call's output, or MISS where `args` or
     the context are not those of this signature (a trace is active, a fake run, inference
     mode, x64 changed). After plan.call_plain, the steps of owns_memory_alone and
     tensor_to_jax are inlined with what the signature fixes (one frame: this runs on every
-    call); anything they do not cover goes to the functions themselves."""
+    call); anything they do not cover goes to the functions themselves. (It holds no
+    reference to its HotCall: no cycle, so a dropped wrapper is freed at once.)"""
     n, x64_value = len(avals), x64.value
     dtype, shape, where = plan.plain_dtype, plan.plain_shape, plan.out_paths[0]
     cpu = jax_cpu_device()
@@ -221,7 +224,7 @@ def _hot_call(hot: HotCall, avals: tuple, x64: Any, plan: CallPlan) -> Any:
         if type(box[0]) is _Tensor and box[0].dtype is dtype and box[0].shape == shape:
             if owns_memory_alone(box[0], 1):
                 return tensor_to_jax(box.pop(), where, device)
-        return hot.rest(box, None if device is cpu else device)
+        return _rest(plan, signature, in_tree, statics, box, None if device is cpu else device)
 
     return call
 

@@ -22,10 +22,7 @@ import torch
 
 from torchjax._compat._torch import storage_id as _storage_id
 from torchjax._compat._torch import storage_use_count as _uses
-from torchjax._compat._torch import (
-    tensor_from_capsule,
-    tensor_use_count,
-)
+from torchjax._compat._torch import tensor_from_capsule, tensor_use_count
 from torchjax._convert import (
     array_to_tensor,
     check_has_data,
