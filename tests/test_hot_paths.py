@@ -10,8 +10,11 @@ copied before the call.
 
 import concurrent.futures
 import os
+import subprocess
+import sys
 import traceback
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -316,6 +319,163 @@ def test_python_numbers_take_the_full_way(binds):
     assert binds[0] == 3
 
 
+def test_a_python_number_where_an_array_was_declared_is_an_error(binds):
+    # A number is a 0-d array: under jit, copied into a buffer of four, it was broadcast.
+    declared = jax.ShapeDtypeStruct((4,), jnp.float32)
+    x = jnp.arange(4.0)
+    message = r"returned the Python number 3.5 \(a 0-d array\) at out, but float32\[4\]"
+    eager = torchjax.to_jax(lambda t: 3.5, result_shape_dtypes=declared)
+    for _ in range(3):
+        with pytest.raises(OutputMismatchError, match=message):
+            eager(x)
+    number = [False]
+    jitted = jax.jit(torchjax.to_jax(lambda t: 3.5 if number[0] else t * 2))
+    np.testing.assert_array_equal(jitted(x), np.arange(4.0) * 2)
+    number[0] = True
+    for _ in range(2):
+        # XLA reports the callback's exception as its own (a JaxRuntimeError, or a
+        # ValueError where the call runs on the dispatching thread).
+        with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match=message):
+            jitted(x).block_until_ready()
+    # A number where a 0-d array is expected is fine, eagerly and under jit.
+    scalar = torchjax.to_jax(
+        lambda t: 3.5, result_shape_dtypes=jax.ShapeDtypeStruct((), jnp.float32)
+    )
+    assert float(scalar(x)) == 3.5 and float(jax.jit(scalar)(x)) == 3.5
+
+
+def test_a_sparse_output_on_a_repeated_call_is_named(binds):
+    sparse = [False]
+    f = torchjax.to_jax(lambda t: (t * 2).to_sparse() if sparse[0] else t * 2)
+    np.testing.assert_array_equal(f(jnp.arange(4.0)), np.arange(4.0) * 2)
+    sparse[0] = True
+    for _ in range(2):
+        with pytest.raises(torchjax.errors.ConversionError, match=r"out is a torch.sparse_coo"):
+            f(jnp.arange(4.0))
+
+
+def test_an_output_held_by_a_weak_reference_is_copied(binds):
+    # torch keeps a tensor's Python object alive while JAX holds its memory, so a weak
+    # reference to an output would still reach it, and a write through it would change
+    # the JAX array returned before.
+    cache = weakref.WeakValueDictionary()
+    kept = []
+
+    def accumulate(t):
+        buf = cache.get("sum")
+        if buf is None:
+            buf = torch.zeros(4)
+            cache["sum"] = buf
+            kept.append(buf)  # a strong reference too, from the second call on
+        buf.add_(t)
+        return buf
+
+    f = torchjax.to_jax(accumulate)
+    outs = [f(jnp.ones(4)) for _ in range(4)]
+    for k, out in enumerate(outs):
+        np.testing.assert_array_equal(out, np.full(4, k + 1.0))
+    del kept[:]
+    storages = weakref.WeakValueDictionary()
+
+    def weak_storage(t):
+        y = t * 2
+        storages["y"] = y.untyped_storage()
+        return y
+
+    g = torchjax.to_jax(weak_storage)
+    outs = [g(jnp.full(4, float(k))) for k in range(3)]
+    for k, out in enumerate(outs):
+        np.testing.assert_array_equal(out, np.full(4, 2.0 * k))
+    for storage in list(storages.values()):  # what a weak reference still reaches
+        storage.fill_(7)
+    for k, out in enumerate(outs):
+        np.testing.assert_array_equal(out, np.full(4, 2.0 * k))
+    assert binds[0] == 2
+
+
+DELETE_KEPT = """
+import jax.numpy as jnp, numpy as np, torch, torchjax
+cache = []
+f = torchjax.to_jax(lambda t: (cache.append(t), t * 2)[1])
+xs = [jnp.arange(4.0) + k for k in range(3)]  # the first call, then the shortcut
+for x in xs:
+    f(x)
+nested = torchjax.to_jax(lambda p: (cache.append(p["a"]), p["a"] + 1)[1])
+ys = [jnp.arange(4.0) + 10 + k for k in range(3)]
+for y in ys:
+    nested({"a": y})
+z = jnp.arange(4.0) + 20
+t = torchjax.tree_to_torch(z)
+for x in xs + ys + [z]:
+    x.delete()
+expected = [np.arange(4.0) + k for k in (0, 1, 2, 10, 11, 12)]
+for kept, want in zip(cache, expected, strict=True):
+    assert kept.tolist() == want.tolist()
+assert t.tolist() == [20.0, 21.0, 22.0, 23.0]
+print("ok")
+"""
+
+
+def test_deleting_an_array_torch_kept_is_safe():
+    # jaxlib aborts the process when an array it exported itself is deleted while the
+    # export is held; torchjax exports a new array object on the same buffer, as
+    # jax.Array.__dlpack__ does. In a subprocess: a regression aborts it, not the suite.
+    done = subprocess.run(
+        [sys.executable, "-c", DELETE_KEPT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_nested_arguments_skip_the_bind_while_their_structure_stays(binds):
+    f = torchjax.to_jax(lambda p, x: torch.tanh(x @ p["w"] + p["b"]) * p["s"][0])
+    p = {"w": jnp.arange(6.0).reshape(3, 2) / 6, "b": jnp.ones(2), "s": [jnp.full(2, 2.0)]}
+    x = jnp.arange(12.0).reshape(4, 3) / 12
+
+    def expected(p, x):
+        return np.asarray(jnp.tanh(x @ p["w"] + p["b"]) * p["s"][0])
+
+    for k in range(3):
+        q = {**p, "b": p["b"] * k}  # new values, the same structure: the shortcut
+        np.testing.assert_allclose(f(q, x), expected(q, x), rtol=1e-6)
+    assert binds[0] == 1
+    # Another structure, or a Python number among the leaves: the full way, still right.
+    np.testing.assert_allclose(f({**p, "extra": jnp.ones(1)}, x), expected(p, x), rtol=1e-6)
+    np.testing.assert_allclose(f({**p, "s": (p["s"][0],)}, x), expected(p, x), rtol=1e-6)
+    np.testing.assert_allclose(f({**p, "s": [2.0]}, x), expected(p, x), rtol=1e-6)
+    assert binds[0] == 4
+
+
+def test_module_to_jax_apply_skips_the_bind_and_checks_as_a_first_call(binds):
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.LayerNorm(5))
+    apply, variables = torchjax.module_to_jax(module)
+    x = jnp.arange(12.0).reshape(4, 3)
+    saved = jax.tree_util.tree_map(np.array, variables)
+    for _ in range(3):
+        with torch.no_grad():
+            expected = module(torch.from_numpy(np.array(x))).numpy()
+        np.testing.assert_allclose(apply(variables, x), expected, rtol=1e-5, atol=1e-6)
+    assert binds[0] == 1
+    # New parameter values through the shortcut: the module's own with those values.
+    scaled = jax.tree_util.tree_map(lambda v: v * 2, variables)
+    with torch.no_grad():
+        for t in module.parameters():
+            t.mul_(2)
+        expected = module(torch.from_numpy(np.array(x))).numpy()
+    np.testing.assert_allclose(apply(scaled, x), expected, rtol=1e-5, atol=1e-6)
+    assert binds[0] == 1
+    jax.tree_util.tree_map(np.testing.assert_array_equal, variables, saved)  # unchanged
+    # A write into a parameter on a repeated call is refused as on a first call.
+    writes = torch.nn.Linear(3, 5)
+    writes.register_forward_pre_hook(lambda m, a: m.weight.data.mul_(0) if a[0].sum() else None)
+    apply_w, variables_w = torchjax.module_to_jax(writes)
+    apply_w(variables_w, jnp.zeros((4, 3)))
+    before = jax.tree_util.tree_map(np.array, variables_w)
+    with pytest.raises(InPlaceMutationError, match=r"weight"):
+        apply_w(variables_w, x)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, variables_w, before)
+
+
 # -- to_torch ---------------------------------------------------------------------------------
 @pytest.fixture
 def flattens(monkeypatch):
@@ -362,6 +522,28 @@ def test_a_repeated_to_torch_call_differentiates(flattens):
         tangent = fwAD.unpack_dual(f(fwAD.make_dual(a, torch.ones(5)))).tangent
     torch.testing.assert_close(tangent, torch.cos(a).sum())
     assert flattens[0] == 1
+
+
+def test_a_repeated_to_torch_call_of_another_structure_is_another_signature(flattens):
+    # As many tensors as arguments, but nested, or beside a number: not the shortcut's.
+    def f(p, q):
+        return p[0] * 100 + q if isinstance(p, list) else p * 2 + q
+
+    wrapped = torchjax.to_torch(f)
+    a, b = torch.ones(3), torch.full((3,), 5.0)
+    torch.testing.assert_close(wrapped([a], b), torch.full((3,), 105.0))
+    for _ in range(3):
+        torch.testing.assert_close(wrapped(a, b), torch.full((3,), 7.0))
+    torch.testing.assert_close(wrapped([a], b), torch.full((3,), 105.0))
+
+    def g(p, s):
+        return p["x"] * s - p["y"] if isinstance(p, dict) else p - s
+
+    wrapped = torchjax.to_torch(g)
+    x, y = torch.ones(2), torch.full((2,), 3.0)
+    torch.testing.assert_close(wrapped({"x": x, "y": y}, 2.0), torch.full((2,), -1.0))
+    for _ in range(3):
+        torch.testing.assert_close(wrapped(x, y), torch.full((2,), -2.0))
 
 
 def test_x64_is_part_of_a_repeated_to_torch_call(flattens):

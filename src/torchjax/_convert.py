@@ -17,7 +17,13 @@ import jax
 import numpy as np
 import torch
 
-from torchjax._compat._jax import ARRAY_TYPES, HOST_ARRAY_TYPES, ArrayImpl, dlpack_export
+from torchjax._compat._jax import (
+    ARRAY_TYPES,
+    HOST_ARRAY_TYPES,
+    ArrayImpl,
+    dlpack_export,
+    single_device_shard,
+)
 from torchjax._compat._jax import jax_config as _jax_config
 from torchjax._compat._torch import cpu_array_from_tensor, is_fake
 from torchjax._compat._torch import tensor_from_capsule as _tensor_from_capsule
@@ -254,7 +260,7 @@ def _numpy_to_tensor(a: np.ndarray) -> torch.Tensor:
 _ArrayImpl = ArrayImpl
 _SingleDeviceSharding = jax.sharding.SingleDeviceSharding
 # jaxlib's DLPack export of a single-device array; jax.Array.__dlpack__ adds ~10 µs of checks.
-_EXPORT = dlpack_export
+_EXPORT, _shard = dlpack_export, single_device_shard  # (the shard: see single_device_shard)
 
 
 def array_to_tensor(a: Any, where: str = "value") -> torch.Tensor:
@@ -265,7 +271,7 @@ def array_to_tensor(a: Any, where: str = "value") -> torch.Tensor:
     """
     if type(a) is _ArrayImpl and _EXPORT is not None and type(a.sharding) is _SingleDeviceSharding:
         if a.platform() == "cpu" and a.dtype in _NUMPY_TO_TORCH:  # the common case, first
-            return _tensor_from_capsule(_EXPORT(a, stream=None))
+            return _tensor_from_capsule(_EXPORT(_shard(a), stream=None))
     if isinstance(a, HOST_ARRAY_TYPES):
         return _numpy_to_tensor(np.asarray(a))
     if isinstance(a, jax.core.Tracer):
@@ -280,7 +286,7 @@ def array_to_tensor(a: Any, where: str = "value") -> torch.Tensor:
         if type(sharding) is _SingleDeviceSharding or len(sharding.device_set) == 1:
             if a.dtype not in _NUMPY_TO_TORCH:
                 torch_dtype(a.dtype)  # raises, naming the supported dtypes
-            return _tensor_from_capsule(_EXPORT(a, stream=None))
+            return _tensor_from_capsule(_EXPORT(_shard(a), stream=None))
     torch_dtype(a.dtype)
     if not a.is_fully_addressable or len(a.sharding.device_set) != 1:
         raise ConversionError(

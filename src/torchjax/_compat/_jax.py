@@ -386,6 +386,18 @@ dlpack_export = or_(
     private("jax._src.lib._jax.buffer_to_dlpack_managed_tensor", fallback=_DLPACK_SLOW), None
 )
 
+# The array a DLPack export should hold: a new array object on the same buffer. Exporting
+# the caller's array itself puts a hold on it that makes its x.delete() abort the process
+# (jaxlib's "Non-zero type 1 hold on destruction") while torch still has the tensor;
+# jax.Array.__dlpack__ exports addressable_data(0), which is this, 0.4 µs slower.
+single_device_shard = or_(
+    private(
+        "jax._src.lib._jax.ArrayImpl._fully_replicated_shard",
+        fallback="jax.Array.addressable_data (0.4 µs more per conversion)",
+    ),
+    lambda a: a.addressable_data(0),
+)
+
 
 class _NoArray:
     """A type no array has: `type(a) is ArrayImpl` is then always False."""

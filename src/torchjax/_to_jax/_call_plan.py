@@ -107,6 +107,8 @@ class CallPlan:
         flat_form = getattr(flat_fn, "flat_form", None)
         if self.direct is None and flat_form is not None:
             self.direct = flat_form(in_tree, self.template)
+        if self.direct is None and flat_fn is not None and not self.has_statics:
+            self.direct = _unflattening(flat_fn, in_tree)  # nested arrays: a dict of params
         self.one_tensor_out = (
             out_tree is not None and out_tree.num_nodes == 1 and out_tree.num_leaves == 1
         )
@@ -322,7 +324,7 @@ class CallPlan:
         """Whether _coerce(k, value) succeeds: a number, or a tensor of the declared shape
         whose dtype becomes the declared one under JAX's x64 policy."""
         if isinstance(value, bool | int | float | complex):
-            return True
+            return self.out_shapes[k] == ()
         if not isinstance(value, torch.Tensor) or is_fake(value):
             return False
         want = self.out_dtypes[k]
@@ -343,6 +345,8 @@ class CallPlan:
             raise fake_output_error(self.name, self.out_paths[k])
         if not isinstance(value, torch.Tensor):
             if isinstance(value, bool | int | float | complex):
+                if self.out_shapes[k] != ():  # (under jit a copy would broadcast it)
+                    self._raise_mismatch(k, value)
                 return number_tensor(value, want, self.out_paths[k])
             raise OutputMismatchError(
                 f"{self.name} returned a {type(value).__name__} at {self.out_paths[k]}; a "
@@ -366,11 +370,14 @@ class CallPlan:
             )
         raise OutputMismatchError(text)
 
-    def _raise_mismatch(self, k: int, value: torch.Tensor) -> None:
+    def _raise_mismatch(self, k: int, value: torch.Tensor | bool | int | float | complex) -> None:
         s = self.structs[k]
+        if isinstance(value, torch.Tensor):
+            got = f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+        else:
+            got = f"the Python number {value!r} (a 0-d array)"
         raise OutputMismatchError(
-            f"{self.name} returned {str(value.dtype).removeprefix('torch.')}"
-            f"{list(value.shape)} at {self.out_paths[k]}, but {s.dtype}{list(s.shape)} was "
+            f"{self.name} returned {got} at {self.out_paths[k]}, but {s.dtype}{list(s.shape)} was "
             f"declared (result_shape_dtypes) or inferred (fake-tensor run). Make "
             f"result_shape_dtypes match what the function returns, or make the function's "
             f"output independent of the input values."
@@ -470,6 +477,18 @@ def to_jax_outputs(results: list, paths: list, device: Any = None) -> list:
             raise
         outs.append(tensor_to_jax(value, paths[k], device))
     return outs
+
+
+def _unflattening(fn: Callable, in_tree: Any) -> Callable:
+    """``fn`` called on the tensors of a call whose leaves are all tensors, their structure
+    `in_tree` (bind's (args, kwargs)) rebuilt around them: UserFunction's call, flat."""
+    unflatten = in_tree.unflatten
+
+    def call(*tensors: torch.Tensor) -> Any:
+        args, kwargs = unflatten(tensors)
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def plan_for(fn: Any, in_tree: Any, template: tuple, structs: tuple, out_tree: Any) -> CallPlan:

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -70,7 +71,7 @@ _KEPT_MESSAGE = (
 
 _storage_use_count = storage_use_count
 _sid = storage_id  # a tensor's storage, without making a Python object of it
-_getrefcount = sys.getrefcount
+_getrefcount, _getweakrefcount = sys.getrefcount, weakref.getweakrefcount
 
 
 def inplace_error(name: str, path: str, how: str, metadata: bool = False) -> InPlaceMutationError:
@@ -185,14 +186,18 @@ def owns_memory_alone(t: torch.Tensor, refs: int) -> bool:
     entry, a local variable). Anything else that holds the tensor (a closure, a module, a
     cache), another tensor on its storage (a view, `.data`, a base kept by a view), or
     memory torch did not allocate (from_numpy, DLPack: not resizable) means it is shared.
+    So does a weak reference (a WeakValueDictionary cache): torch keeps a tensor's Python
+    object alive while its memory is in use, by JAX too, so the weak reference would reach it.
     """
     if _getrefcount(t) != refs + 2 or tensor_use_count(t) != 1:  # + `t` and getrefcount's argument
+        return False
+    if _getweakrefcount(t):
         return False
     storage = t.untyped_storage()
     # The storage's Python object counts as a user of it, and torch keeps it with the
     # storage once made: references `storage`, getrefcount's argument and torch's own.
     # One more is a storage object kept by someone else.
-    if not storage.resizable() or _getrefcount(storage) != 3:
+    if not storage.resizable() or _getrefcount(storage) != 3 or _getweakrefcount(storage):
         return False
     if not is_view(t):
         return _storage_use_count(storage_cdata(storage)) == 2
@@ -202,7 +207,7 @@ def owns_memory_alone(t: torch.Tensor, refs: int) -> bool:
     if _storage_use_count(storage_cdata(storage)) != 3:
         return False
     base = tensor_base(t)
-    return tensor_use_count(base) == 2 and _getrefcount(base) == 3
+    return tensor_use_count(base) == 2 and _getrefcount(base) == 3 and not _getweakrefcount(base)
 
 
 def copy_kept_inputs(tensors: list) -> None:

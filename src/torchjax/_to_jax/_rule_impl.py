@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from typing import Any
 
 import jax
@@ -20,6 +21,7 @@ from torchjax._compat._jax import (
     dlpack_import,
     eval_trace_type,
     sharding_device,
+    single_device_shard,
     trace_context,
 )
 from torchjax._compat._torch import (
@@ -58,9 +60,9 @@ from torchjax._to_jax._rule_abstract_eval import DTYPES_OK, check_input_dtype, c
 
 _SingleDevice = jax.sharding.SingleDeviceSharding
 _tree = jax.tree_util
-_from_capsule, _export = tensor_from_capsule, dlpack_export
+_from_capsule, _export, _shard = tensor_from_capsule, dlpack_export, single_device_shard
 _inference_mode = torch.is_inference_mode_enabled
-_getrefcount = sys.getrefcount
+_getrefcount, _getweakrefcount = sys.getrefcount, weakref.getweakrefcount
 _Tensor, _strided = torch.Tensor, torch.strided
 
 
@@ -104,11 +106,12 @@ def bind_eager(
 
 class HotCall:
     """The last eager signature of a function called with JAX CPU arrays as its positional
-    arguments and nothing else, whose call plan is plain (see CallPlan.plain): its next
-    call with arrays of the same types (avals) goes straight to the plan, past the
-    flattening, hashing and lookups of a bind, with the plan's checks and the output's
-    conversion inlined into one frame (`call`, which to_jax's wrapper tries first). Any
-    other call returns MISS and takes the full way.
+    arguments, or nested in them (a dict of parameters, module_to_jax's variables), and
+    nothing else, whose call plan is plain (see CallPlan.plain): its next call with arrays
+    of the same types (avals) in the same structure goes straight to the plan, past the
+    hashing and lookups of a bind (and, for arrays alone, the flattening), with the plan's
+    checks and the output's conversion inlined into one frame (`call`, which to_jax's
+    wrapper tries first). Any other call returns MISS and takes the full way.
     """
 
     __slots__ = ("signature", "call")
@@ -117,8 +120,11 @@ class HotCall:
     def of(operands: list, in_tree: Any, statics: tuple, x64: Any, signature: Any):
         """The HotCall of this eager call, or None where it has another form."""
         n = len(operands)
-        if _export is None or len(statics) != n or in_tree != _positional(n):
-            return None  # static leaves, a nested or keyword tree
+        if _export is None or len(statics) != n:
+            return None  # static leaves
+        parts = in_tree.children()  # bind's (args, kwargs)
+        if len(parts) != 2 or parts[1] != _NO_KWARGS:
+            return None  # keyword arguments
         if trace_context is None:
             return None  # whether a trace is active is unknown: JAX dispatches every call
         for x in operands:
@@ -132,10 +138,23 @@ class HotCall:
             return None
         hot = HotCall()
         hot.signature = signature
-        hot.call = _hot_call(
-            tuple(x.aval for x in operands), x64, plan, signature, in_tree, statics
-        )
+        call = _hot_call(tuple(x.aval for x in operands), x64, plan, signature, in_tree, statics)
+        hot.call = call if in_tree == _positional(n) else _flattening(call, parts[0])
         return hot
+
+
+def _flattening(call: Any, args_tree: Any) -> Any:
+    """A HotCall's call for nested arguments (a dict of parameters, module_to_jax's
+    variables): their leaves, where the structure is the signature's, go to `call`."""
+    flatten = _tree.tree_flatten
+
+    def flat_call(args: tuple) -> Any:
+        leaves, tree = flatten(args)
+        if tree != args_tree:
+            return MISS
+        return call(leaves)
+
+    return flat_call
 
 
 def _rest(plan: CallPlan, signature: Any, in_tree: Any, statics: tuple, box: list, device: Any):
@@ -187,7 +206,7 @@ def _hot_call(
             if type(x.sharding) is not _SingleDevice:  # a sharded array: the full way says so
                 return MISS
             committed = committed or array_committed(x)
-            tensors.append(_from_capsule(_export(x, stream=None)))
+            tensors.append(_from_capsule(_export(_shard(x), stream=None)))
         device = _committed_device(args, plan) if committed else cpu
         out = plan.call_plain(tensors)
         tensors = None
@@ -200,6 +219,7 @@ def _hot_call(
             and out.dtype is dtype
             and out.shape == shape
             and _getrefcount(out) == 2
+            and not _getweakrefcount(out)
             and tensor_use_count(out) == 1
             and not out.requires_grad
             and out.is_cpu
@@ -210,6 +230,7 @@ def _hot_call(
             if (
                 storage.resizable()
                 and _getrefcount(storage) == 3
+                and not _getweakrefcount(storage)
                 and storage_use_count(storage_cdata(storage)) == 2
                 and out.is_contiguous()
                 and not out.const_data_ptr() % 64
@@ -221,7 +242,12 @@ def _hot_call(
             storage = None
         box = [out]
         del out  # the output's references are now in `box` alone (see owns_memory_alone)
-        if type(box[0]) is _Tensor and box[0].dtype is dtype and box[0].shape == shape:
+        if (
+            type(box[0]) is _Tensor
+            and box[0].dtype is dtype
+            and box[0].shape == shape
+            and box[0].layout is _strided  # (a sparse tensor has no storage: the full way says)
+        ):
             if owns_memory_alone(box[0], 1):
                 return tensor_to_jax(box.pop(), where, device)
         return _rest(plan, signature, in_tree, statics, box, None if device is cpu else device)
@@ -238,6 +264,9 @@ class _Miss:
 
 
 MISS = _Miss()
+
+
+_NO_KWARGS = _tree.tree_structure({})
 
 
 @functools.lru_cache(maxsize=64)

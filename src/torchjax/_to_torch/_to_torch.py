@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -346,7 +347,14 @@ def to_torch(jax_fn: Callable[..., Any] | None = None, *, has_aux: bool = False)
                 cache[tuple(key)] = hit
         spec, out_tree = hit
         out = _run(spec, out_tree, tensors)
-        if key is not None and not kwargs and len(tensors) == len(args):
+        # Only for tensors alone, positionally: the shortcut checks nothing else (a nested
+        # or static call with as many tensors as arguments is another signature).
+        if (
+            key is not None
+            and not kwargs
+            and len(tensors) == len(args)
+            and all(map(operator.is_, args, tensors))
+        ):
             hot[0] = hot_call(spec, tensors, _run, out_tree)  # after the run: DLPack is set up
         return out
 
