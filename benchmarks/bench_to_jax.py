@@ -7,8 +7,10 @@
 # previous, slower floor; the same callback with the checks to_jax makes on every call
 # inlined shows what those checks cost. Eager: jaxlib's DLPack export of the input,
 # torch._C._from_dlpack, f, torch._C._to_dlpack, jaxlib's DLPack import of the output.
-# jax.pure_callback and native torch are shown for reference. For 2**24 elements the
-# question is extra copies, not overhead.
+# jax.pure_callback and native torch are shown for reference, and native torch under a
+# dispatch mode that only counts ops (what finding the op that makes an output would cost
+# each op). For 2**24 elements the question is extra copies, not overhead: the copy into
+# XLA's output buffer against a hand-written callback whose op writes there itself (out=).
 from __future__ import annotations
 
 import sys
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import torch
 from _timing import Table, format_tables, paired_row
 from jax.experimental.buffer_callback import buffer_callback
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchjax
 from torchjax._compat._jax import dlpack_export, dlpack_import
@@ -85,6 +88,28 @@ def checked_callback(op, n):
     return jax.jit(lambda x: call(x)[0])
 
 
+def into_callback(n):
+    """What computing into XLA's buffer would reach for f(x) = x * 2: a buffer_callback
+    whose op writes its result there itself (torch.mul's out=), no copy after. torchjax
+    cannot do this for an arbitrary f (docs/limitations.md, "Outputs under jit")."""
+
+    def cb(ctx, outs, x):
+        torch.mul(_from_capsule(x.__dlpack__()), 2, out=_from_capsule(outs[0].__dlpack__()))
+
+    call = buffer_callback(cb, [jax.ShapeDtypeStruct((n,), jnp.float32)])
+    return jax.jit(lambda x: call(x)[0])
+
+
+class CountingMode(TorchDispatchMode):
+    """The least a dispatch mode does that finds the op producing an output: count ops."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def fastest_eager(op, like):
     """The eager floor: jaxlib's DLPack export and import around op, nothing checked."""
     device = like.devices().pop()
@@ -110,6 +135,7 @@ def measure() -> list[Table]:
     fastest = fastest_callback(add_one, n)
     checked = checked_callback(add_one, n)
     eager_floor = fastest_eager(add_one, x)
+    mode = CountingMode()
     assert bool((eager_floor(x) == x + 1).all()) and bool((fastest(x) == x + 1).all())
     assert bool((checked(x) == x + 1).all())
     pure = jax.jit(
@@ -155,6 +181,12 @@ def measure() -> list[Table]:
                 floor,
             ),
             paired_row("native torch", lambda: add_one(t), floor_name, floor),
+            paired_row(
+                "native torch under a dispatch mode that counts ops",
+                lambda: _under(mode, add_one, t),
+                "native torch",
+                lambda: add_one(t),
+            ),
         ],
     )
 
@@ -165,6 +197,8 @@ def measure() -> list[Table]:
     f = torchjax.to_jax(times_two)
     f_jit = jax.jit(f)
     hand = hand_callback(times_two, n)
+    into = into_callback(n)
+    assert bool((into(x) == x * 2).all())
     large = (
         "f(x) = x * 2 on 2**24 float32",
         [
@@ -180,9 +214,26 @@ def measure() -> list[Table]:
                 "native torch",
                 lambda: times_two(t),
             ),
+            paired_row(
+                "hand-written compute-then-copy",
+                lambda: hand(x).block_until_ready(),
+                "native torch",
+                lambda: times_two(t),
+            ),
+            paired_row(
+                "hand-written buffer_callback computing into XLA's buffer (out=)",
+                lambda: into(x).block_until_ready(),
+                "native torch",
+                lambda: times_two(t),
+            ),
         ],
     )
     return [small, large]
+
+
+def _under(mode, op, t):
+    with mode:
+        return op(t)
 
 
 format_results = format_tables  # measure()'s tables as the markdown that main() prints
