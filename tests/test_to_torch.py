@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import doctest
+import warnings
 
 import hypothesis.strategies as st
 import jax
@@ -414,3 +415,47 @@ def test_cuda_round_trip_and_grad():
     assert y.device == x.device
     y.sum().backward()
     torch.testing.assert_close(x.grad, torch.cos(x.detach()))
+
+
+# -- to_torch and to_jax inside each other -----------------------------------------------------
+
+
+def _inner_math(t):
+    return torch.sin(torch.tanh(t).pow(3).sum())
+
+
+@pytest.mark.parametrize("transform", ["grad", "jvp", "vmap", "plain"])
+def test_a_first_call_under_a_torch_func_transform_of_a_jax_function_calling_to_jax(transform):
+    # The first call traces the JAX function, whose to_jax call finds its output types by a
+    # fake run: under torch.func.grad or jvp its tensors came out wrapped (TensorWrapper).
+    inner = torchjax.to_jax(lambda t: torch.tanh(t).pow(3).sum())
+    wrapped = to_torch(lambda x: jnp.sin(inner(x)))
+    apply = {
+        "grad": torch.func.grad,
+        "jvp": lambda f: lambda x: torch.func.jvp(f, (x,), (torch.ones_like(x),))[1],
+        "vmap": torch.func.vmap,
+        "plain": lambda f: f,
+    }[transform]
+    x = torch.linspace(-1.0, 1.0, 12, dtype=torch.float32).reshape(4, 3)
+    x = x if transform == "vmap" else x[0]
+    saved = x.clone()
+    for k in range(3):
+        torch.testing.assert_close(apply(wrapped)(x * (k + 1)), apply(_inner_math)(x * (k + 1)))
+    torch.testing.assert_close(x, saved)
+
+
+def test_to_torch_inside_to_jax_runs_without_copies_of_the_call():
+    # torch's DLPack export asks for a writable pointer, which the enclosing to_jax call's
+    # guard refuses: the to_torch conversion copies that input itself, and the function
+    # is not run again on copies (no CopyWarning, whose advice would not fit).
+    double_sin = to_torch(lambda x: jnp.sin(x) * 2)
+    f = torchjax.to_jax(lambda t: (double_sin(t) ** 2).sum())
+    x = jnp.linspace(0.0, 3.0, 4)
+    expected = float(jnp.sum((jnp.sin(x) * 2) ** 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            assert float(f(x)) == pytest.approx(expected, rel=1e-6)
+            assert float(jax.jit(f)(x)) == pytest.approx(expected, rel=1e-6)
+            np.testing.assert_allclose(jax.grad(f)(x), 4 * jnp.sin(2 * x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(x, np.linspace(0.0, 3.0, 4, dtype=np.float32))

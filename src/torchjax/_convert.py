@@ -25,6 +25,7 @@ from torchjax._compat._jax import (
     single_device_shard,
 )
 from torchjax._compat._jax import jax_config as _jax_config
+from torchjax._compat._messages import is_write_refusal
 from torchjax._compat._torch import cpu_array_from_tensor, is_fake
 from torchjax._compat._torch import tensor_from_capsule as _tensor_from_capsule
 from torchjax._errors import ConversionError
@@ -206,7 +207,14 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value", device: Any = None) -> 
         # The common case, checked in one go: a dense CPU tensor XLA can alias as it is.
         if device is None or device.platform != "cpu":
             device = jax_cpu_device()
-        return cpu_array_from_tensor(t, device)
+        try:
+            return cpu_array_from_tensor(t, device)
+        except RuntimeError as e:
+            if not is_write_refusal(e):
+                raise
+            # An input of an enclosing to_jax call (a JAX array's memory, whose storage
+            # refuses writable pointers): torch's DLPack export asks for one. A copy.
+            return cpu_array_from_tensor(t.clone(), device)
     if t.layout != torch.strided:
         check_has_data(t, where)
     jax_dtype(t.dtype)  # raise early, with the table, for unsupported dtypes
@@ -225,8 +233,10 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value", device: Any = None) -> 
             device = jax_cpu_device()
         try:
             return cpu_array_from_tensor(t, device)
-        except RuntimeError:  # torch's DLPack export of a tensor without data
-            check_has_data(t, where)
+        except RuntimeError as e:
+            if is_write_refusal(e):  # as above: memory that refuses writable pointers
+                return cpu_array_from_tensor(t.clone(), device)
+            check_has_data(t, where)  # torch's DLPack export of a tensor without data
             raise
     if t.is_meta:
         check_has_data(t, where)

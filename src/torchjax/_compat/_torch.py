@@ -6,6 +6,7 @@
 # _jax.py's banner).
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import operator
@@ -121,6 +122,18 @@ peek_interpreter_stack = or_(
         fallback="derivatives are built to be differentiable again (slower)",
     ),
     None,
+)
+
+
+# torch.func's transforms set aside for a while (their levels popped, then pushed back): a
+# fake run finds a function's output types from avals, which no enclosing transform takes
+# part in; under one (to_torch traced inside torch.func.grad) its tensors came out wrapped.
+interpreter_stack_cleared = or_(
+    private(
+        "torch._functorch.pyfunctorch.temporarily_clear_interpreter_stack",
+        fallback="a fake run inside torch.func.grad or jvp fails (TensorWrapper)",
+    ),
+    contextlib.nullcontext,
 )
 
 

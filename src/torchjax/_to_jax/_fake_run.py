@@ -18,6 +18,7 @@ import torch
 from torchjax._compat._torch import (
     FakeTensorMode,
     compiled_function_original,
+    interpreter_stack_cleared,
     operator_name,
     quiet_fake_tensor_log,
     tensor_version,
@@ -175,7 +176,14 @@ def _fake_run(fn: Any, args: tuple, name: str, describe: Any, touched: FakeRunSt
     # now, on its concrete values: staged into the trace that asked for the types, it
     # would hand torch a tracer.
     compile_time = jax.ensure_compile_time_eval()
-    with compile_time, _inside_fake_run(), no_inference, FakeTensorMode(allow_non_fake_inputs=True):
+    no_transforms = interpreter_stack_cleared()  # the types do not depend on torch.func's
+    with (
+        compile_time,
+        no_transforms,
+        _inside_fake_run(),
+        no_inference,
+        FakeTensorMode(allow_non_fake_inputs=True),
+    ):
         leaves, tree = _tree.tree_flatten_with_path(args)
         fakes, paths, values = [], [], []
         for path, leaf in leaves:

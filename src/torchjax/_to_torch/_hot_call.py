@@ -76,7 +76,10 @@ def hot_call(spec: Spec, tensors: list, run: Callable[[Spec, Any, tuple], Any], 
                 and not a.is_neg()
             ):
                 return run(spec, out_tree, args)  # a copy or another device: the full way
-            arrays.append(dlpack_import(tensor_to_capsule(a), cpu, *form))
+            try:
+                arrays.append(dlpack_import(tensor_to_capsule(a), cpu, *form))
+            except RuntimeError:  # memory that refuses a writable pointer: the full way
+                return run(spec, out_tree, args)  # (copies it; tensor_to_jax says when)
         outs = jitted(*arrays)
         results = []
         for o in outs:
@@ -88,7 +91,7 @@ def hot_call(spec: Spec, tensors: list, run: Callable[[Spec, Any, tuple], Any], 
         # not see two tensors that secretly share memory (as in Spec.run).
         if n == 1 and len(results) == 1:
             r = results[0]
-            if r.numel() and r.data_ptr() == args[0].data_ptr():
+            if r.numel() and r.const_data_ptr() == args[0].const_data_ptr():
                 results[0] = r.clone()
         else:
             results = spec.unshared(args, results)

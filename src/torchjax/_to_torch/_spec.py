@@ -84,13 +84,13 @@ class Spec:
 
         Outputs are fresh XLA buffers unless XLA forwarded an input or deduplicated two
         outputs; torch must not see two tensors that secretly share memory."""
-        seen = {t.data_ptr() for t in tensors}
+        seen = {t.const_data_ptr() for t in tensors}
         for k, t in enumerate(results):
             if t.numel():
-                ptr = t.data_ptr()
+                ptr = t.const_data_ptr()
                 if ptr in seen:
                     t = results[k] = t.clone()
-                    ptr = t.data_ptr()
+                    ptr = t.const_data_ptr()
                 seen.add(ptr)
         return results
 
