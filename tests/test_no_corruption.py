@@ -426,6 +426,19 @@ assert jax.jit(f)(x)[0].devices() == {cpu1}
 assert torchjax.to_jax(lambda t: t * 2)(jnp.arange(2.0)).devices() == {jax.devices()[0]}
 g = torchjax.to_jax(lambda t: t * 2)  # the second call takes the eager shortcut (HotCall)
 assert [g(x).devices() for _ in range(2)] == [{cpu1}, {cpu1}]
+# Uncommitted inputs give uncommitted outputs, as JAX's own ops do: a later op may then
+# move them to another device's arrays. Committed inputs, on the first device too, commit.
+cpu0 = jax.devices()[0]
+y1 = jax.device_put(jnp.ones(4), cpu1)
+for h in (torchjax.to_jax(lambda t: t * 2), f):  # the shortcut, and the full way
+    for _ in range(3):
+        out = h(jnp.arange(4.0))
+        first = out if isinstance(out, jax.Array) else out[0]
+        assert not first.committed and (jnp.arange(4.0) * 2).committed is False
+        assert (first + y1).devices() == {cpu1} and ((first + y1) == jnp.arange(4.0) * 2 + 1).all()
+        on0 = h(jax.device_put(jnp.arange(4.0), cpu0))
+        on0 = on0 if isinstance(on0, jax.Array) else on0[0]
+        assert on0.committed and on0.devices() == {cpu0}
 add = torchjax.to_jax(lambda a, b: a + b)
 add(x, x)  # a first call, on one device: the next, on two, takes the shortcut
 for h in (torchjax.to_jax(lambda a, b: a + b), add):

@@ -171,6 +171,17 @@ def jax_cpu_device() -> Any:
     return _cpu.device
 
 
+_DEVICE_COUNTS: dict[str, int] = {}
+
+
+def several_devices(platform: str) -> bool:
+    """Whether this process has more than one JAX device of `platform` ("cpu", "gpu")."""
+    count = _DEVICE_COUNTS.get(platform)
+    if count is None:
+        count = _DEVICE_COUNTS[platform] = len(jax.local_devices(backend=platform))
+    return count > 1
+
+
 def check_has_data(t: Any, where: str) -> None:
     """Raise ConversionError naming `where` for a tensor with no dense data to hand over."""
     if isinstance(t, torch.Tensor) and (t.is_meta or is_fake(t) or t.layout != torch.strided):

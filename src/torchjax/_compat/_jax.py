@@ -398,6 +398,21 @@ single_device_shard = or_(
     lambda a: a.addressable_data(0),
 )
 
+# An array's class as JAX's Python code builds it: with it, an eager output gets JAX's own
+# placement of an op's result on uncommitted inputs (uncommitted, so a later op may move
+# it to another device). jaxlib's DLPack import commits what it makes.
+_ArrayImplBuilt = private(
+    "jax._src.array.ArrayImpl",
+    fallback="with several devices, eager outputs of uncommitted inputs stay committed",
+)
+
+
+def uncommitted(a: Any) -> Any:
+    """A single-device array `a` not committed to its device, on the same buffer."""
+    if _ArrayImplBuilt is ABSENT:
+        return a
+    return _ArrayImplBuilt(a.aval, a.sharding, [a], committed=False, _skip_checks=True)
+
 
 class _NoArray:
     """A type no array has: `type(a) is ArrayImpl` is then always False."""

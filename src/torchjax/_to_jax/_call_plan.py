@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import torch
 
+from torchjax._compat._jax import uncommitted
 from torchjax._compat._messages import (
     expects_tensor,
     is_write_refusal,
@@ -26,7 +27,13 @@ from torchjax._compat._messages import (
     wants_int64,
 )
 from torchjax._compat._torch import is_fake, is_zerotensor, set_grad_enabled, tensor_version
-from torchjax._convert import canonical_torch_dtype, check_has_data, tensor_to_jax, torch_dtype
+from torchjax._convert import (
+    canonical_torch_dtype,
+    check_has_data,
+    several_devices,
+    tensor_to_jax,
+    torch_dtype,
+)
 from torchjax._errors import ConversionError, CopyWarning, OutputMismatchError, TorchJaxError
 from torchjax._primitive._params import ARRAY, is_operand
 from torchjax._to_jax._cuda import gpu_oom_note
@@ -465,6 +472,8 @@ def to_jax_outputs(results: list, paths: list, device: Any = None) -> list:
     An output is handed over without a copy only where nothing but the output reaches its
     memory: one that shares it with an input, a closed-over tensor, a parameter, a cache or
     a view of any of them is copied first, or torch could change the JAX array later.
+    With `device` None (no input committed to a device) and several devices, the outputs
+    are not committed either, as JAX's own results on such inputs.
     """
     outs = []
     for k in range(len(results)):
@@ -475,7 +484,10 @@ def to_jax_outputs(results: list, paths: list, device: Any = None) -> list:
         except RuntimeError:
             check_has_data(value, paths[k])  # a sparse or meta tensor: say so
             raise
-        outs.append(tensor_to_jax(value, paths[k], device))
+        out = tensor_to_jax(value, paths[k], device)
+        if device is None and several_devices(out.platform()):
+            out = uncommitted(out)  # as JAX places an op's result on uncommitted inputs
+        outs.append(out)
     return outs
 
 

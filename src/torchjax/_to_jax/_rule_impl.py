@@ -23,6 +23,7 @@ from torchjax._compat._jax import (
     sharding_device,
     single_device_shard,
     trace_context,
+    uncommitted,
 )
 from torchjax._compat._torch import (
     cpu_array_from_tensor,
@@ -39,6 +40,7 @@ from torchjax._convert import (
     array_to_tensor,
     jax_cpu_device,
     keeps_dtype,
+    several_devices,
     tensor_to_jax,
     torch_dtype,
 )
@@ -189,6 +191,9 @@ def _hot_call(
     # and jaxlib's import is set up; only a complex tensor can have its conjugate bit set.
     aliasable = keeps_dtype(dtype) and form is not None
     complex_out = dtype.is_complex
+    # With several CPU devices an output of uncommitted inputs is not committed either, as
+    # JAX's own results (see to_jax_outputs).
+    spread = several_devices("cpu")
 
     def call(args: tuple) -> Any:
         if len(args) != n or x64.value != x64_value or not plan.plain:  # plain: not on copies
@@ -238,7 +243,8 @@ def _hot_call(
                 and not out.is_neg()
             ):
                 storage = None
-                return dlpack_import(tensor_to_capsule(out), device, *form)
+                result = dlpack_import(tensor_to_capsule(out), device, *form)
+                return uncommitted(result) if spread and not committed else result
             storage = None
         box = [out]
         del out  # the output's references are now in `box` alone (see owns_memory_alone)
@@ -249,8 +255,9 @@ def _hot_call(
             and box[0].layout is _strided  # (a sparse tensor has no storage: the full way says)
         ):
             if owns_memory_alone(box[0], 1):
-                return tensor_to_jax(box.pop(), where, device)
-        return _rest(plan, signature, in_tree, statics, box, None if device is cpu else device)
+                result = tensor_to_jax(box.pop(), where, device)
+                return uncommitted(result) if spread and not committed else result
+        return _rest(plan, signature, in_tree, statics, box, device if committed else None)
 
     return call
 
