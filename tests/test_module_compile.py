@@ -97,3 +97,18 @@ def test_module_untouched(compiled):
         net.state_dict().items(), reference.state_dict().items(), strict=True
     ):
         assert torch.equal(a, b), k
+
+
+def test_apply_of_a_compiled_module_pickles():
+    # torch.compile's wrapper of a module that is no container raises on len(): the
+    # pickling must not ask it for its truth value.
+    import pickle
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2)
+    apply, variables = torchjax.module_to_jax(torch.compile(module, backend="eager"))
+    again = pickle.loads(pickle.dumps(apply))
+    x = jnp.arange(6.0).reshape(2, 3)
+    with torch.no_grad():
+        expected = module(torch.from_numpy(np.asarray(x))).numpy()
+    np.testing.assert_allclose(again(variables, x), expected, rtol=1e-6)

@@ -194,3 +194,28 @@ def test_a_move_that_cannot_convert_leaves_the_module_whole():
         same = t.view(torch.uint8) if name == "odd" else t  # torch cannot compare complex32
         was = before[name].view(torch.uint8) if name == "odd" else before[name]
         assert not t.is_meta and torch.equal(same, was), name
+
+
+@pytest.mark.parametrize("copy_mode", [True, False, "move"])
+def test_a_variable_that_does_not_convert_is_named_as_in_variables(copy_mode, x64_off):
+    class Wide(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sub = torch.nn.Linear(2, 2)
+            self.sub.register_buffer("big", torch.tensor([2**40]))
+            self.w = torch.nn.Parameter(torch.tensor([1.0], dtype=torch.float64))
+
+        def forward(self, x):
+            return x * 2
+
+    module = Wide()
+    with pytest.raises(
+        torchjax.errors.ConversionError, match=r"variables\['buffers'\]\['sub.big'\]"
+    ):
+        torchjax.module_to_jax(module, copy=copy_mode)
+    with torch.no_grad():
+        module.sub.big.fill_(1)
+        module.w.fill_(1e300)
+    with pytest.raises(torchjax.errors.ConversionError, match=r"variables\['params'\]\['w'\]"):
+        torchjax.module_to_jax(module, copy=copy_mode)
+    assert module.w.item() == 1e300  # a failed move loses nothing

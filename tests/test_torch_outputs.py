@@ -161,3 +161,16 @@ def test_real_hugging_face_cache_output_names_use_cache_false():
     apply, variables = torchjax.module_to_jax(_tiny_gpt2())
     with pytest.raises(OutputMismatchError, match=r"at out\['cache'\].*use_cache=False"):
         apply(variables, jnp.zeros((1, 4), jnp.int32))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_python_float_that_overflows_float32_is_an_error(mode, x64_off):
+    # x64 off: the float64 tensor of 1e300 raises; the Python float became inf silently.
+    f = torchjax.to_jax(lambda t: (t * 2, 1e300))
+    f = jax.jit(f) if mode == "jit" else f
+    kind = torchjax.errors.ConversionError if mode == "eager" else Exception
+    with pytest.raises(kind, match=r"Python number 1e\+300 does not fit torch.float32"):
+        jax.block_until_ready(f(jnp.ones(2)))
+    fine = torchjax.to_jax(lambda t: (t * 2, float("inf"), 3.5))  # inf stays inf
+    out = fine(jnp.ones(2))
+    assert out[1] == float("inf") and out[2] == 3.5

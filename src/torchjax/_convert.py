@@ -324,8 +324,8 @@ def is_array(x: Any) -> bool:
     return isinstance(x, ARRAY_TYPES)
 
 
-def _leaf_path(path: tuple) -> str:
-    return "tree" + jax.tree_util.keystr(path)
+def _leaf_path(path: tuple, root: str = "tree") -> str:
+    return root + jax.tree_util.keystr(path)
 
 
 def tree_to_jax(tree: Any) -> Any:
@@ -356,19 +356,26 @@ def tree_to_jax(tree: Any) -> Any:
       ((2, 3), 4)
     """
 
+    return tensors_to_jax(tree, "tree")
+
+
+def tensors_to_jax(tree: Any, root: str) -> Any:
+    """tree_to_jax, naming a leaf in errors from `root` (``variables['params']``, say)."""
+
     def convert(path: tuple, x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             if x.is_meta or is_fake(x):
+                kind = "meta" if x.is_meta else "fake"
                 raise ConversionError(
-                    f"{_leaf_path(path)} is a {'meta' if x.is_meta else 'fake'} tensor: it has a "
-                    f"shape and dtype but no data. torchjax runs a wrapped function on fake "
+                    f"{_leaf_path(path, root)} is a {kind} tensor: it has a shape and dtype "
+                    f"but no data. torchjax runs a wrapped function on fake "
                     f"tensors once to find its output types; code that leaves torch inside it "
                     f"cannot run then. Convert real tensors only, or declare the outputs with "
                     f"to_jax(fn, result_shape_dtypes=...) so that no fake run happens."
                 )
-            return tensor_to_jax(x, _leaf_path(path))
+            return tensor_to_jax(x, _leaf_path(path, root))
         if isinstance(x, np.ndarray):
-            return tensor_to_jax(_numpy_to_tensor(x), _leaf_path(path))
+            return tensor_to_jax(_numpy_to_tensor(x), _leaf_path(path, root))
         return x
 
     return jax.tree_util.tree_map_with_path(convert, tree)

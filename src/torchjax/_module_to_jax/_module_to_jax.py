@@ -29,7 +29,7 @@ from torchjax._compat._torch import (
     is_functorch_wrapped,
     tensor_version,
 )
-from torchjax._convert import tree_to_jax
+from torchjax._convert import tensors_to_jax
 from torchjax._errors import ArgumentError, VariablesError
 from torchjax._module_to_jax._copies import ModuleState
 from torchjax._module_to_jax._move import move_out
@@ -276,12 +276,12 @@ def _describe(variables: Any) -> str:
     return f"a {type(variables).__name__}"
 
 
-def _to_jax_copy(tensors: dict[str, torch.Tensor], copy: bool) -> dict:
+def _to_jax_copy(tensors: dict[str, torch.Tensor], copy: bool, group: str) -> dict:
     if copy:  # a private contiguous copy, handed to JAX without another one
         tensors = {
             k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()
         }
-    return tree_to_jax(tensors)
+    return tensors_to_jax(tensors, f"variables[{group!r}]")
 
 
 def module_to_jax(
@@ -384,8 +384,8 @@ def module_to_jax(
         variables = move_out(state.module, {"params": state.params, "buffers": state.buffers})
     else:
         variables = {
-            "params": _to_jax_copy(state.params, bool(copy)),
-            "buffers": _to_jax_copy(state.buffers, bool(copy)),
+            "params": _to_jax_copy(state.params, bool(copy), "params"),
+            "buffers": _to_jax_copy(state.buffers, bool(copy), "buffers"),
         }
 
     apply = ModuleFunction(impl)
@@ -428,7 +428,8 @@ class ModuleFunction:
 
     def __reduce__(self) -> tuple:
         impl = self._impl
-        module = impl.state.pool.compiled or impl.state.module
+        compiled = impl.state.pool.compiled  # (not `or`: a compiled module's len() may raise)
+        module = impl.state.module if compiled is None else compiled
         return _rebuilt, (module, impl.options, impl.result_shape_dtypes)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from torchjax._compat._torch import module_buffers, module_parameters
-from torchjax._convert import tree_to_jax
+from torchjax._convert import tensors_to_jax
 from torchjax._errors import CopyWarning
 from torchjax._module_to_jax._placeholders import MOVED, placeholder
 from torchjax._to_jax._guard import owns_memory_alone
@@ -43,8 +43,8 @@ def move_out(module: torch.nn.Module, groups: dict[str, dict[str, torch.Tensor]]
     each entry of `groups`. Raises before touching the module if a tensor cannot become a
     JAX array, so a failed move loses nothing."""
     kind = type(module).__name__
-    for tensors in groups.values():  # a dry run: mostly zero-copy, dropped at once
-        tree_to_jax({name: t.detach() for name, t in tensors.items()})
+    for group, tensors in groups.items():  # a dry run: mostly zero-copy, dropped at once
+        tensors_to_jax({name: t.detach() for name, t in tensors.items()}, f"variables[{group!r}]")
     placeholders: dict[int, torch.Tensor] = {}
     for group, tensors in groups.items():
         for name, t in tensors.items():
@@ -67,7 +67,7 @@ def move_out(module: torch.nn.Module, groups: dict[str, dict[str, torch.Tensor]]
                 t = t.detach().clone(memory_format=torch.contiguous_format)
             moved[name] = t.detach()
             del t
-        variables[group] = tree_to_jax(moved)
+        variables[group] = tensors_to_jax(moved, f"variables[{group!r}]")
         moved.clear()  # the JAX arrays keep the memory alive through DLPack
         tensors.update(left)
     if copied:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import warnings
 import weakref
@@ -443,7 +444,13 @@ class _RetryWithAutograd(Exception):
 def number_tensor(value: bool | int | float | complex, dtype: torch.dtype, where: str):
     """A Python number output as a 0-d tensor of `dtype`; an int that does not fit raises."""
     try:
-        return torch.tensor(value, dtype=dtype)
+        t = torch.tensor(value, dtype=dtype)
+        # A finite float that overflows float32 (x64 off) would become inf without a word,
+        # where a float64 tensor of it raises: the same error for both.
+        if type(value) is not int and type(value) is not bool and bool(torch.isinf(t).any()):
+            if not math.isinf(abs(complex(value))):
+                raise OverflowError
+        return t
     except (RuntimeError, OverflowError):
         raise ConversionError(
             f"{where}: the Python number {value} does not fit {dtype}, its type as a JAX "
