@@ -178,7 +178,11 @@ def several_devices(platform: str) -> bool:
     """Whether this process has more than one JAX device of `platform` ("cpu", "gpu")."""
     count = _DEVICE_COUNTS.get(platform)
     if count is None:
-        count = _DEVICE_COUNTS[platform] = len(jax.local_devices(backend=platform))
+        try:
+            count = len(jax.local_devices(backend=platform))
+        except RuntimeError:  # a platform name that is no backend's: JAX's own placement
+            count = 1
+        _DEVICE_COUNTS[platform] = count
     return count > 1
 
 
