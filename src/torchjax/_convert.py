@@ -222,14 +222,7 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value", device: Any = None) -> 
         # The common case, checked in one go: a dense CPU tensor XLA can alias as it is.
         if device is None or device.platform != "cpu":
             device = jax_cpu_device()
-        try:
-            return cpu_array_from_tensor(t, device)
-        except RuntimeError as e:
-            if not is_write_refusal(e):
-                raise
-            # An input of an enclosing to_jax call (a JAX array's memory, whose storage
-            # refuses writable pointers): torch's DLPack export asks for one. A copy.
-            return cpu_array_from_tensor(t.clone(), device)
+        return _cpu_import(t, device, where)
     if t.layout != torch.strided:
         check_has_data(t, where)
     jax_dtype(t.dtype)  # raise early, with the table, for unsupported dtypes
@@ -246,13 +239,7 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value", device: Any = None) -> 
             t = t.clone(memory_format=torch.contiguous_format)
         if device is None or device.platform != "cpu":
             device = jax_cpu_device()
-        try:
-            return cpu_array_from_tensor(t, device)
-        except RuntimeError as e:
-            if is_write_refusal(e):  # as above: memory that refuses writable pointers
-                return cpu_array_from_tensor(t.clone(), device)
-            check_has_data(t, where)  # torch's DLPack export of a tensor without data
-            raise
+        return _cpu_import(t, device, where)
     if t.is_meta:
         check_has_data(t, where)
     if not t.is_contiguous():
@@ -264,6 +251,19 @@ def tensor_to_jax(t: torch.Tensor, where: str = "value", device: Any = None) -> 
         with torch.cuda.device(t.device):
             return jax.dlpack.from_dlpack(t)
     return jax.dlpack.from_dlpack(t)
+
+
+def _cpu_import(t: torch.Tensor, device: Any, where: str) -> jax.Array:
+    """A dense, aligned CPU tensor as a JAX array on `device`, zero-copy where torch's
+    DLPack export may run: it asks for a writable pointer, which the storage of an input of
+    an enclosing to_jax call (a JAX array's memory) refuses; that one is copied."""
+    try:
+        return cpu_array_from_tensor(t, device)
+    except RuntimeError as e:
+        if is_write_refusal(e):
+            return cpu_array_from_tensor(t.clone(), device)
+        check_has_data(t, where)  # a tensor without data: say which
+        raise
 
 
 def _numpy_to_tensor(a: np.ndarray) -> torch.Tensor:

@@ -447,7 +447,7 @@ def number_tensor(value: bool | int | float | complex, dtype: torch.dtype, where
         t = torch.tensor(value, dtype=dtype)
         # A finite float that overflows float32 (x64 off) would become inf without a word,
         # where a float64 tensor of it raises: the same error for both.
-        if type(value) is not int and type(value) is not bool and bool(torch.isinf(t).any()):
+        if not isinstance(value, int) and bool(t.isinf().any()):
             if not math.isinf(abs(complex(value))):
                 raise OverflowError
         return t
