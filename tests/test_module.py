@@ -141,6 +141,25 @@ def test_dropout_rng_reproducible_and_global_rng_without_key():
     assert not np.array_equal(rows[0], rows[1])
 
 
+@pytest.mark.parametrize(
+    "bad, got",
+    [
+        (3, "got 3 (int)"),
+        (jnp.ones(3), "float32[3] array"),
+        (jnp.zeros((2, 2), jnp.uint32), "[2, 2]"),
+    ],
+)
+def test_rng_that_is_not_one_key_is_named_as_rng(bad, got):
+    apply, variables = torchjax.module_to_jax(torch.nn.Dropout(0.5))
+    with pytest.raises(
+        torchjax.errors.ArgumentError, match=r"rng must be one JAX PRNG key"
+    ) as info:
+        apply(variables, jnp.ones(4), rng=bad)
+    assert got in str(info.value) and "jax.random.key" in str(info.value)
+    with pytest.raises(torchjax.errors.ArgumentError, match=r"rng=\.\.\."):
+        jax.jit(lambda v, k: apply(v, jnp.ones(4), rng=k))(variables, bad)
+
+
 def test_tied_weights_appear_once_and_get_summed_grads():
     class Tied(torch.nn.Module):
         def __init__(self):

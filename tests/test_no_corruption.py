@@ -458,6 +458,17 @@ except torchjax.errors.ConversionError as e:
     assert "args[0] is sharded over 2 devices" in str(e), e
 else:
     raise AssertionError("no error for a sharded input on a repeated call")
+replicated = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, PartitionSpec()))
+for convert in (g, torchjax.tree_to_torch):
+    try:
+        convert(replicated)
+    except torchjax.errors.ConversionError as e:
+        assert "is replicated on 2 devices" in str(e) and "addressable_shards[0]" in str(e), e
+    else:
+        raise AssertionError("no error for a replicated input")
+one_copy = replicated.addressable_shards[0].data  # what the message says to convert
+assert (g(one_copy) == jnp.arange(4.0) * 2).all()
+assert torch.equal(torchjax.tree_to_torch(one_copy), torch.arange(4.0))
 print("devices ok")
 """
 

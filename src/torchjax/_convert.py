@@ -314,9 +314,16 @@ def array_to_tensor(a: Any, where: str = "value") -> torch.Tensor:
             return _tensor_from_capsule(_EXPORT(_shard(a), stream=None))
     torch_dtype(a.dtype)
     if not a.is_fully_addressable or len(a.sharding.device_set) != 1:
+        n = len(a.sharding.device_set)
+        if a.is_fully_addressable and a.is_fully_replicated:  # n equal copies, not shards
+            raise ConversionError(
+                f"{where} is replicated on {n} devices (a full copy on each); a torch tensor "
+                f"lives on one. Convert one copy, {where}.addressable_shards[0].data, or "
+                f"jax.device_put it to one device."
+            )
         raise ConversionError(
-            f"{where} is sharded over {len(a.sharding.device_set)} devices; convert single-device "
-            f"arrays, or call the torch code inside jax.shard_map on the local shards."
+            f"{where} is sharded over {n} devices; convert single-device arrays, or call the "
+            f"torch code inside jax.shard_map on the local shards."
         )
     if a.platform() == "cpu":
         return torch.utils.dlpack.from_dlpack(a.__dlpack__())

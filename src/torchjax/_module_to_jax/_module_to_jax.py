@@ -420,7 +420,11 @@ class ModuleFunction:
         fn = impl.variant(bool(mutable), impl.state.training(), rng is not None)
         if rng is None:
             return fn(params, buffers, args, kwargs)
-        seed = jax.random.randint(rng, (), 0, np.iinfo(np.int32).max, dtype=np.int32)
+        try:
+            seed = jax.random.randint(rng, (), 0, np.iinfo(np.int32).max, dtype=np.int32)
+        except (TypeError, ValueError) as error:  # not one key: JAX's message names no argument
+            got = _describe_rng(rng)
+            raise ArgumentError(_BAD_RNG.format(name=impl.name, got=got, jax=error)) from error
         return fn(params, buffers, args, kwargs, seed)
 
     def __repr__(self) -> str:
@@ -431,6 +435,20 @@ class ModuleFunction:
         compiled = impl.state.pool.compiled  # (not `or`: a compiled module's len() may raise)
         module = impl.state.module if compiled is None else compiled
         return _rebuilt, (module, impl.options, impl.result_shape_dtypes)
+
+
+_BAD_RNG = """\
+apply_{name}(variables, ..., rng=...): rng must be one JAX PRNG key, got {got} ({jax}).
+The key seeds torch's random draws (dropout) for this call; make one with
+jax.random.key(seed) and vary it per step, e.g. rng=jax.random.fold_in(key, step); for
+one key per example, jax.vmap the call over a batch of keys."""
+
+
+def _describe_rng(rng: Any) -> str:
+    """`3 (int)` / `a float32[3] array`, for the message above."""
+    if hasattr(rng, "dtype") and hasattr(rng, "shape"):
+        return f"a {rng.dtype}{list(rng.shape)} array"
+    return f"{rng!r}"[:80] + f" ({type(rng).__name__})"
 
 
 def _rebuilt(module: torch.nn.Module, options: dict, result_shape_dtypes: Any) -> ModuleFunction:
