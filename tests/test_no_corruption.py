@@ -7,6 +7,7 @@ and the error (type, argument path, fix) where one is due.
 import collections
 import gc
 import os
+import re
 import subprocess
 import sys
 import weakref
@@ -138,6 +139,28 @@ def test_in_place_error_type_and_message(mode):
     x = jnp.arange(4.0)
     with pytest.raises(InPlaceMutationError, match=r"(?s)args\[0\].*x = x\.clone\(\)"):
         _call(lambda t: (t.data.mul_(2), t * 1)[1], mode, x)
+    np.testing.assert_array_equal(x, np.arange(4.0))
+
+
+@pytest.mark.parametrize(
+    "fn, advice",
+    [
+        (lambda t: t.mul_(2), r"`y = x\.mul\(\.\.\.\)` for `x\.mul_\(\.\.\.\)`"),
+        (lambda t: torch.sin(t, out=t), r"(?s)`y = torch\.sin\(\.\.\.\)`, instead of .*out="),
+        # No out-of-place Tensor.zero / Tensor.fill: the general advice, which is true.
+        (lambda t: t[0].zero_(), r"(?s)x = x\.clone\(\)`, then write into x"),
+        (lambda t: t.fill_(1.0), r"(?s)x = x\.clone\(\)`, then write into x"),
+    ],
+)
+def test_in_place_advice_names_the_op_the_fake_run_saw(fn, advice):
+    x = jnp.arange(4.0)
+    with pytest.raises(InPlaceMutationError, match=advice) as info:
+        jax.jit(torchjax.to_jax(fn))(x)
+    # Advice that names a method names one torch has.
+    for method in re.findall(r"`y = x\.(\w+)\(", str(info.value)):
+        assert hasattr(torch.Tensor, method), method
+    for function in re.findall(r"`y = torch\.(\w+)\(", str(info.value)):
+        assert hasattr(torch, function), function
     np.testing.assert_array_equal(x, np.arange(4.0))
 
 

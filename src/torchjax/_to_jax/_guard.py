@@ -48,13 +48,17 @@ from torchjax._errors import InPlaceMutationError, TorchJaxError
 INPLACE_MESSAGE = """\
 {name} modifies its input {path} in place ({how}). JAX arrays are immutable and torchjax
 hands torch the caller's buffer without a copy, so this would silently change the caller's
-array. Clone the input first:
-
-    def {short}(x):
-        x = x.clone()   # instead of modifying the argument
-        x.add_(1)
-        return x
+array. {fix}
 """
+
+# The fix, as specific as what was seen: the op (a fake run's), or only that a write came.
+_FIX_IN_PLACE = """Use the out-of-place op, `y = x.{op}(...)` for `x.{op}_(...)`, or clone the
+input before the write: `x = x.clone()`."""
+_FIX_OUT = """Let {op} allocate its result, `y = torch.{op}(...)`, instead of writing
+into the input with out=..., or clone the input first: `x = x.clone()`."""
+_FIX_ANY = """Clone the input before writing into it (`x = x.clone()`, then write into x),
+or use out-of-place ops (`y = x.mul(2)` for `x.mul_(2)`, `y = x.index_put(...)` for
+`x[i] = v`, no out=)."""
 
 METADATA_MESSAGE = """\
 {name} changes its input {path} in place ({how}). That op changes only the tensor's shape or
@@ -74,10 +78,22 @@ _sid = storage_id  # a tensor's storage, without making a Python object of it
 _getrefcount, _getweakrefcount = sys.getrefcount, weakref.getweakrefcount
 
 
-def inplace_error(name: str, path: str, how: str, metadata: bool = False) -> InPlaceMutationError:
-    template = METADATA_MESSAGE if metadata else INPLACE_MESSAGE
-    short = name.rsplit(".", 1)[-1]
-    return InPlaceMutationError(template.format(name=name, path=path, how=how, short=short))
+def inplace_error(
+    name: str, path: str, how: str, metadata: bool = False, func: Any = None
+) -> InPlaceMutationError:
+    """The error for a write into input `path`; `func` is the op that writes, where known."""
+    if metadata:
+        return InPlaceMutationError(METADATA_MESSAGE.format(name=name, path=path, how=how))
+    fix = _FIX_ANY  # (an op whose out-of-place form torch lacks, e.g. zero_, gets this)
+    if func is not None:
+        schema = func._schema
+        op = schema.name.split("::")[-1]
+        out = any(a.kwarg_only and a.alias_info and a.alias_info.is_write for a in schema.arguments)
+        if op.endswith("_") and hasattr(torch.Tensor, op[:-1]) and not op.startswith("_"):
+            fix = _FIX_IN_PLACE.format(op=op[:-1])
+        elif out and hasattr(torch, op):
+            fix = _FIX_OUT.format(op=op)
+    return InPlaceMutationError(INPLACE_MESSAGE.format(name=name, path=path, how=how, fix=fix))
 
 
 def check_versions(tensors: list, versions: list, paths: list, name: str, how: str) -> None:
@@ -158,7 +174,7 @@ class WriteGuard(TorchDispatchMode):
                     if path is not None:
                         metadata = torch.Tag.inplace_view in func.tags
                         how = f"{func}, seen while inferring output shapes"
-                        raise inplace_error(self.name, path, how, metadata)
+                        raise inplace_error(self.name, path, how, metadata, func)
         out = func(*args, **kwargs)
         if self.made is not None:
             for t in out if isinstance(out, list | tuple) else (out,):
