@@ -381,6 +381,18 @@ def test_torch_compile_dict_output_falls_back_correctly():
     close(torch.compile(lambda x: g(x)["y"] * 2, backend="eager")(x), [4, 4])
 
 
+def test_torch_compile_of_a_lambda_defined_without_source():
+    # As in a REPL or `python -c`: FX named the wrapper of a lambda from its source, and
+    # without one the compile failed ("Unable to represent lambda").
+    x = torch.linspace(0, 1, 5)
+    for module in ({"__name__": "__main__"}, {}):  # a REPL's; exec'd code's, none
+        namespace = {"to_torch": to_torch, "jnp": jnp, **module}
+        exec(compile("g = to_torch(lambda x: jnp.sin(x) * 2)", "<stdin>", "exec"), namespace)
+        g = namespace["g"]
+        compiled = torch.compile(lambda x, g=g: g(x) + 1, backend="eager")
+        close(compiled(x), torch.sin(x) * 2 + 1)
+
+
 # ---------------------------------------------------------------- round trip, docs, gpu
 
 

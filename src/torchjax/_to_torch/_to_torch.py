@@ -375,4 +375,11 @@ def to_torch(jax_fn: Callable[..., Any] | None = None, *, has_aux: bool = False)
                 return out
         return call(*args, **kwargs)
 
+    # torch.compile's graph code names the wrapper by module and name; for a lambda FX
+    # reads the name from its source, which a REPL, `python -c` or exec'd code lacks, and
+    # exec'd code may have no module: either failed the compile.
+    if wrapped.__name__ == "<lambda>":
+        wrapped.__name__ = "to_torch_lambda"
+    if wrapped.__module__ is None:
+        wrapped.__module__ = __name__
     return torch.compiler.allow_in_graph(wrapped)
