@@ -45,6 +45,25 @@ def hot_call(spec: Spec, tensors: list, run: Callable[[Spec, Any, tuple], Any], 
     transforms_active, dual_level = transforms_active_c, forward_ad_level
     complex_in = any(d.is_complex for d in dtypes)  # only these can have the conjugate bit
     jitted, cpu, out_where = spec.jitted, jax_cpu_device(), spec.out_where
+    # Whether the outputs are single-device CPU arrays, which DLPack exports as they are: a
+    # property of the compiled function (jit places its outputs by its inputs', here
+    # committed to `cpu`), so the first inlined call checks it for all later ones.
+    # (Not without inputs: jax.default_device may then move a retraced call's outputs.)
+    plain_outs = [False]
+
+    def outputs(outs: Any) -> list:
+        """The jitted function's outputs as tensors, the first call's check included."""
+        if plain_outs[0]:
+            return [tensor_from_capsule(dlpack_export(o, stream=None)) for o in outs]
+        results, plain = [], True
+        for o in outs:
+            if type(o) is ArrayImpl and type(o.sharding) is _SingleDevice and o.platform() == "cpu":
+                results.append(tensor_from_capsule(dlpack_export(o, stream=None)))
+            else:
+                plain = False
+                results.append(array_to_tensor(o, out_where))
+        plain_outs[0] = plain and n > 0
+        return results
 
     def call(args: tuple) -> Any:
         if len(args) != n or _x64.value != x64_value:
@@ -80,23 +99,51 @@ def hot_call(spec: Spec, tensors: list, run: Callable[[Spec, Any, tuple], Any], 
                 arrays.append(dlpack_import(tensor_to_capsule(a), cpu, *form))
             except RuntimeError:  # memory that refuses a writable pointer: the full way
                 return run(spec, out_tree, args)  # (copies it; tensor_to_jax says when)
-        outs = jitted(*arrays)
-        results = []
-        for o in outs:
-            if type(o) is ArrayImpl and type(o.sharding) is _SingleDevice and o.platform() == "cpu":
-                results.append(tensor_from_capsule(dlpack_export(o, stream=None)))
-            else:
-                results.append(array_to_tensor(o, out_where))
+        results = outputs(jitted(*arrays))
         # XLA may forward an input as an output, or give two outputs one buffer; torch must
         # not see two tensors that secretly share memory (as in Spec.run).
-        if n == 1 and len(results) == 1:
-            r = results[0]
-            if r.numel() and r.const_data_ptr() == args[0].const_data_ptr():
-                results[0] = r.clone()
-        else:
-            results = spec.unshared(args, results)
+        results = spec.unshared(args, results)
         if single:
             return results[0]
         return out_tree.unflatten(results)
 
+    def call_one(args: tuple) -> Any:
+        """`call` for one tensor in and one out, the common signature: the same steps
+        without the loops."""
+        if len(args) != 1 or _x64.value != x64_value:
+            return MISS
+        a = args[0]
+        if not isinstance(a, _Tensor) or a.dtype is not dtype or a.shape != shape:
+            return MISS
+        if (
+            (type(a) is not _Tensor and type(a) is not _Parameter)  # torch.compile tracing
+            or transforms_active()
+            or dual_level() >= 0
+            or (a.requires_grad and _grad_enabled())
+            or not a.is_cpu
+            or a.layout is not _strided
+            or not a.is_contiguous()
+            or a.const_data_ptr() % 64
+            or (complex_in and a.is_conj())
+            or a.is_neg()
+        ):
+            return run(spec, out_tree, args)
+        try:
+            x = dlpack_import(tensor_to_capsule(a), cpu, *form)
+        except RuntimeError:  # memory that refuses a writable pointer: the full way
+            return run(spec, out_tree, args)  # (copies it; tensor_to_jax says when)
+        (o,) = jitted(x)
+        if plain_outs[0]:
+            r = tensor_from_capsule(dlpack_export(o, stream=None))
+        else:
+            (r,) = outputs((o,))
+        # XLA forwards an input returned as it is: torch must not see two tensors that
+        # secretly share memory (as in Spec.run). (An empty one copied costs nothing.)
+        if r.const_data_ptr() == a.const_data_ptr():
+            return r.clone()
+        return r
+
+    if inline and n == 1 and single:
+        shape, dtype = shapes[0], dtypes[0]
+        return call_one
     return call
