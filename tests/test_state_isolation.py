@@ -9,9 +9,11 @@ computing the same thing directly.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import copy
 import functools
+import types
 import warnings
 
 import jax
@@ -162,6 +164,57 @@ def test_attributes_a_call_sets_are_not_seen_by_later_calls(mode):
     np.testing.assert_array_equal(first, out)
     assert net.calls == 0 and net.table is None  # the user's module never ran
     _unchanged(net, _state(pristine))
+
+
+class _NestedState(torch.nn.Module):
+    """State below the module's own entries, each changed in place by forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.ema = torch.zeros(4)  # a plain tensor attribute, not a buffer
+        self.count = torch.zeros(())  # `self.count += 1` is in place on a tensor
+        self.cfg = types.SimpleNamespace(calls=0, seen=[])  # an object the module holds
+        self.cache = {"hist": []}  # a list inside a dict
+        self.recent = collections.deque(maxlen=3)
+        self.grow = torch.zeros(1)  # resized in place (eagerly: a fake run cannot resize it)
+        self.resizes = False
+
+    def forward(self, x):
+        self.cfg.calls += 1
+        self.cfg.seen.append(1.0)
+        self.cache["hist"].append(2.0)
+        self.recent.append(3.0)
+        self.ema.mul_(0.5).add_(x.mean(0))
+        self.count += 1
+        if self.resizes:
+            self.grow.resize_(self.grow.numel() + 1).fill_(1.0)
+        extra = self.cfg.calls + len(self.cfg.seen) + len(self.cache["hist"]) + len(self.recent)
+        return self.lin(x) * self.count + self.ema + extra + self.grow.sum()
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "grad"])
+def test_state_below_the_modules_entries_is_not_seen_by_later_calls(mode):
+    # A forward that changes an object it holds, a nested list or a plain tensor in place:
+    # every call is the first call of the module as it was (torch's first call, on a copy).
+    torch.manual_seed(0)
+    net = _NestedState()
+    net.resizes = mode == "eager"
+    pristine = copy.deepcopy(net)
+    apply, variables = torchjax.module_to_jax(net)
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    loss = lambda p: apply({"params": p, "buffers": variables["buffers"]}, x).sum()
+    for _ in range(3):
+        first = copy.deepcopy(pristine)
+        x_t = torch.tensor(np.asarray(x))
+        if mode == "grad":
+            got = jax.grad(loss)(variables["params"])["lin.bias"]
+            want = torch.autograd.grad(first(x_t).sum(), first.lin.bias)[0]
+        else:
+            got = (jax.jit(apply) if mode == "jit" else apply)(variables, x)
+            want = first(x_t)
+        np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-6)
+    assert net.cfg.calls == 0 and not net.cache["hist"] and not net.ema.any()  # never ran
 
 
 def test_mutable_returns_the_reassigned_buffer():

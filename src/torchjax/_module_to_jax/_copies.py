@@ -83,7 +83,7 @@ class ModuleCopy(HeldState):
         self.placeholders = [d[key] for d, key in self.slots]
         self._dicts = [d for d, _ in self.slots]
         self._keys = [key for _, key in self.slots]
-        self.snapshot = ModulesSnapshot(module)
+        self.snapshot = ModulesSnapshot(module, self.placeholders)
         self.training: tuple | None = None
         self._record: list | None = None
 

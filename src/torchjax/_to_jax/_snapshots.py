@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import collections
 import copy
+import enum
 import operator
+import types
 from typing import Any
 
 import torch
@@ -21,6 +23,7 @@ from torchjax._compat._torch import is_fake, module_buffers, module_children, mo
 TORCH_ENTRIES = frozenset(torch.nn.Module().__dict__)
 _CONTAINERS = (dict, list, set, collections.OrderedDict, collections.defaultdict)
 _is = operator.is_
+_version = operator.attrgetter("_version")
 
 
 class ModuleSnapshot:
@@ -98,10 +101,12 @@ class ModuleSnapshot:
 
 class ModulesSnapshot:
     """ModuleSnapshots of a module and all its submodules, checked all at once: after every
-    module_to_jax call, where nothing changed, a few comparisons in C for the whole tree."""
+    module_to_jax call, where nothing changed, a few comparisons in C for the whole tree;
+    and the state below them (NestedState)."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, slots: Any = ()):
         self.each = [ModuleSnapshot(m) for m in module.modules()]
+        self.nested = NestedState(self.each, {id(t) for t in slots})
         self._dicts = [s.module.__dict__ for s in self.each] + [s._child_table for s in self.each]
         self._saved = [s.entries for s in self.each] + [s._saved_children for s in self.each]
         self._tables = [t for s in self.each for t in (s._param_table, s._buffer_table)]
@@ -114,11 +119,125 @@ class ModulesSnapshot:
             same = self._dicts == self._saved and list(map(len, self._tables)) == self._sizes
         except Exception:
             same = False
-        if same and not any(s.changed() for s in self._with_containers):
-            return
-        for s in self.each:
-            if s.changed():
-                s.restore()
+        if not same or any(s.changed() for s in self._with_containers):
+            for s in self.each:
+                if s.changed():
+                    s.restore()
+        if self.nested.changed():
+            self.nested.restore()
+
+
+# What the walk below does not enter: values without state of their own, and objects whose
+# state is not the module's (classes, Python modules, functions: globals every caller sees).
+_ATOMIC = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+_NOT_STATE = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    enum.Enum,
+    torch.nn.Module,  # (each has a ModuleSnapshot of its own)
+)
+MAX_NESTED = 100_000  # entries a NestedState records at most (a dataset list would be more)
+
+
+class NestedState:
+    """The state below the modules' own entries, which ModuleSnapshot restores: the objects
+    their entries refer to (a config, a namespace, a list in a dict, at any depth) and the
+    tensors that are not parameters or buffers (`self.ema`, a cached table), which a
+    forward may change in place (`self.calls += 1` on a tensor is in place).
+
+    Taken of a private module copy, whose objects are its own (a deep copy): a change is
+    the forward's, and restoring it touches nobody else's. Containers and objects' __dict__s
+    compare in C (entries that are the same object are equal without asking); tensors by
+    version counter, each restored from a copy of its data taken with the snapshot.
+    """
+
+    def __init__(self, snapshots: list, skip: set):
+        self.dicts: list = []  # dicts and objects' __dict__s, with copies of them
+        self.lists: list = []
+        self.others: list = []  # sets, deques
+        self.tensors: list = []
+        seen, budget = set(skip), [MAX_NESTED]
+        for snap in snapshots:
+            for k, v in snap.entries.items():
+                if k not in TORCH_ENTRIES:
+                    if type(v) in _CONTAINERS:  # its entries are ModuleSnapshot's; not below
+                        seen.add(id(v))
+                        for x in v.values() if isinstance(v, dict) else v:
+                            self._walk(x, seen, budget)
+                    else:
+                        self._walk(v, seen, budget)
+        self.saved_dicts = [dict(d) for d in self.dicts]
+        self.saved_lists = [list(x) for x in self.lists]
+        self.saved_others = [copy.copy(x) for x in self.others]
+        self.data = [t.detach().clone() for t in self.tensors]
+        self.versions = [t._version for t in self.tensors]
+        self.empty = not (self.dicts or self.lists or self.others or self.tensors)
+
+    def _walk(self, v: Any, seen: set, budget: list) -> None:
+        stack = [v]
+        while stack and budget[0] > 0:
+            v = stack.pop()
+            if isinstance(v, _ATOMIC) or id(v) in seen or isinstance(v, _NOT_STATE):
+                continue
+            seen.add(id(v))
+            if isinstance(v, torch.Tensor):
+                if not is_fake(v) and v.device.type != "meta" and v.layout == torch.strided:
+                    self.tensors.append(v)
+                    budget[0] -= 1
+                continue
+            if isinstance(v, dict):
+                self.dicts.append(v)
+                items: Any = list(v.values())
+            elif isinstance(v, list):
+                self.lists.append(v)
+                items = list(v)
+            elif isinstance(v, set | collections.deque):
+                self.others.append(v)
+                items = list(v)
+            elif isinstance(v, tuple | frozenset):
+                items = list(v)
+            else:
+                d = getattr(v, "__dict__", None)
+                if type(d) is not dict:
+                    continue  # no state Python can see (a C object, __slots__ alone)
+                self.dicts.append(d)
+                items = list(d.values())
+            budget[0] -= len(items) + 1
+            stack.extend(items)
+
+    def changed(self) -> bool:
+        if self.empty:
+            return False
+        try:
+            return (
+                self.dicts != self.saved_dicts
+                or self.lists != self.saved_lists
+                or self.others != self.saved_others
+                or list(map(_version, self.tensors)) != self.versions
+            )
+        except Exception:  # an entry's __eq__ did not say "equal" (a tensor's elementwise)
+            return True
+
+    def restore(self) -> None:
+        for d, saved in zip(self.dicts, self.saved_dicts, strict=True):
+            dict.clear(d)
+            dict.update(d, saved)
+        for x, saved in zip(self.lists, self.saved_lists, strict=True):
+            list.__setitem__(x, slice(None), saved)
+        for x, saved in zip(self.others, self.saved_others, strict=True):
+            x.clear()
+            x.update(saved) if isinstance(x, set) else x.extend(saved)
+        with torch.no_grad():
+            for k, (t, data) in enumerate(zip(self.tensors, self.data, strict=True)):
+                if t._version != self.versions[k]:
+                    if t.shape == data.shape and t.stride() == data.stride():
+                        t.copy_(data)
+                    else:  # resized or restrided in place (resize_, t_)
+                        t.set_(data.clone())
+                    self.versions[k] = t._version
 
 
 def _differs(v: Any, saved: Any) -> bool:
