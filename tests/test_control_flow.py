@@ -262,3 +262,39 @@ def test_scan_inside_checkpoint(policy):
     sin_t = torchjax.to_jax(torch.sin)
     tree_close(jax.jit(jax.grad(loss(sin_t)))(x), jax.grad(loss(jnp.sin))(x))
     tree_close(jax.jit(jax.hessian(loss(sin_t)))(x), jax.hessian(loss(jnp.sin))(x))
+
+
+def _dropout_calls():
+    """A to_jax function and a module_to_jax apply that draw from torch's global generator."""
+    f = torchjax.to_jax(lambda x: torch.nn.functional.dropout(x, 0.5))
+    apply, variables = torchjax.module_to_jax(torch.nn.Dropout(0.5))
+    return {"to_jax": f, "module_to_jax": lambda x: apply(variables, x)}
+
+
+@pytest.mark.parametrize("which", ["to_jax", "module_to_jax"])
+@pytest.mark.parametrize(
+    "policy", [None, jax.checkpoint_policies.everything_saveable], ids=["recompute", "save"]
+)
+@JIT
+def test_checkpoint_of_random_draws_differentiates_the_forwards_draws(which, policy, jit):
+    # Recomputed, the forward would draw again: the gradient would belong to other draws
+    # than the outputs. d sum(dropout(x)) / dx is 2 exactly where the output is not 0.
+    drop = _dropout_calls()[which]
+    x = jnp.ones(64)
+
+    def loss(x):
+        y = jax.checkpoint(drop, policy=policy)(x)
+        return y.sum(), y
+
+    (_, y), g = _jit_or_not(jit)(jax.value_and_grad(loss, has_aux=True))(x)
+    np.testing.assert_array_equal(np.asarray(g), np.where(np.asarray(y) != 0, 2.0, 0.0))
+    assert 0 < int((np.asarray(y) != 0).sum()) < 64  # dropout did drop some
+    # An output the backward of a JAX op reads (d/dw of (dropout(x) * w).sum() is dropout(x)),
+    # where the torch call itself is not differentiated.
+    (_, y), gw = _jit_or_not(jit)(
+        jax.value_and_grad(
+            lambda w: (lambda y: ((y * w).sum(), y))(jax.checkpoint(drop, policy=policy)(x)),
+            has_aux=True,
+        )
+    )(jnp.ones(64))
+    np.testing.assert_array_equal(gw, y)

@@ -320,6 +320,11 @@ def trace_constant(trace: Any, value: Any) -> Any:
     return trace.new_const(value)
 
 
+def new_var(aval: Any) -> Any:
+    """A fresh jaxpr variable of type `aval`, for an equation a rule adds."""
+    return core.Var(aval)
+
+
 def replace_equation(eqn: Any, **changes: Any) -> Any:
     """A jaxpr equation with some of its fields (invars, outvars, params) replaced."""
     return eqn.replace(**changes)

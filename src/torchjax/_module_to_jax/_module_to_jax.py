@@ -143,6 +143,7 @@ class _Apply:
         forward.__name__ = forward.__qualname__ = f"{name}.forward"
         forward.flat_form = flat_form  # see CallPlan: real calls skip rebuilding the tree
         forward.isolates_state = True  # fake runs use a throwaway copy (see fake_eval)
+        forward.seeded = seeded  # its draws are a function of its inputs (UserFunction.facts)
         # Eager calls run for real at once: variables are checked on each signature's first.
         forward.check_signature = lambda p, b, *_, **__: state.check(name, p, b)
         forward.describe_path = _describe_path  # messages name variables[...], args[i]

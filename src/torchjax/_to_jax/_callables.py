@@ -135,6 +135,10 @@ class UserFunction:
     # Calls batched over some of its inputs: which outputs stay unbatched, per (in_dims,
     # randomness, signature), found once each (BatchedFunction.with_out_dims).
     batched_outputs: dict = dataclasses.field(default_factory=dict, repr=False)
+    # What its fake runs saw besides types: "draws", whether it draws random numbers from a
+    # generator its inputs do not seed (then jax.checkpoint saves its outputs rather than
+    # recompute them with other draws: _rule_partial_eval.py).
+    facts: dict = dataclasses.field(default_factory=dict, repr=False)
 
     # Torch runs it with grad mode off: JAX does the differentiating, and a graph recorded
     # for closed-over parameters that require grad would only cost time and memory.
@@ -197,7 +201,8 @@ class UserFunction:
         target = fake_target(self.fn)
         try:
             call = lambda a, k: as_jax_tree(target(*a, **k))
-            return fake_eval(call, args, self.name, self.arg_path, state_of=self.fn)
+            facts = {} if getattr(self.fn, "seeded", False) else self.facts
+            return fake_eval(call, args, self.name, self.arg_path, state_of=self.fn, facts=facts)
         except TorchJaxError:
             raise
         except Exception as e:

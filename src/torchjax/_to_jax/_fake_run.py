@@ -133,7 +133,14 @@ def fake_target(fn: Any) -> Any:
     return fn if orig is None else orig
 
 
-def fake_eval(fn: Any, args: tuple, name: str, describe: Any = None, state_of: Any = None) -> Any:
+def fake_eval(
+    fn: Any,
+    args: tuple,
+    name: str,
+    describe: Any = None,
+    state_of: Any = None,
+    facts: dict | None = None,
+) -> Any:
     """Run `fn(*args)` on fake tensors; return its output as a pytree of ShapeDtypeStruct.
 
     The run leaves no trace (_fake_isolation.py): the Python state of the modules reachable
@@ -149,6 +156,8 @@ def fake_eval(fn: Any, args: tuple, name: str, describe: Any = None, state_of: A
       state_of: the user's callable, whose reachable state the run may touch (default
         `fn`); one that isolates its own state (``isolates_state = True``: module_to_jax's
         forward) is not searched.
+      facts: a dict to record in what the run saw besides types: ``facts["draws"]``,
+        whether an op drew random numbers.
 
     Raises:
       InPlaceMutationError: `fn` writes into an input (or changes one in place).
@@ -161,7 +170,9 @@ def fake_eval(fn: Any, args: tuple, name: str, describe: Any = None, state_of: A
     with _fake_lock:
         touched = FakeRunState(state_of, name, getattr(state_of, "isolates_state", False))
         try:
-            types = _fake_run(fn, args, name, describe or _path_of, touched)
+            types, draws = _fake_run(fn, args, name, describe or _path_of, touched)
+            if facts is not None:
+                facts["draws"] = facts.get("draws", False) or draws
         finally:
             touched.restore()
         touched.check_left_behind()
@@ -169,7 +180,8 @@ def fake_eval(fn: Any, args: tuple, name: str, describe: Any = None, state_of: A
 
 
 def _fake_run(fn: Any, args: tuple, name: str, describe: Any, touched: FakeRunState) -> Any:
-    """fake_eval's run itself; every tensor it makes is tracked, and none outlives it here."""
+    """fake_eval's run itself, returning (types, whether it drew random numbers); every
+    tensor it makes is tracked, and none outlives it here."""
     device = default_torch_device()
     no_inference = torch.inference_mode(False)  # inference tensors have no version counter
     # JAX code the torch code runs (a wrapped function called on a constant, say) runs
@@ -197,11 +209,13 @@ def _fake_run(fn: Any, args: tuple, name: str, describe: Any, touched: FakeRunSt
             else:
                 values.append(leaf)
         versions = [tensor_version(t) for t in fakes]
-        with WriteGuard(fakes, paths, name, made=touched.track):
+        guard = WriteGuard(fakes, paths, name, made=touched.track)
+        with guard:
             out = fn(*_tree.tree_unflatten(tree, values))
+
         del values
         check_versions(fakes, versions, paths, name, "seen while inferring output shapes")
-    return _tree.tree_map_with_path(lambda p, x: output_struct(p, x, name), out)
+    return _tree.tree_map_with_path(lambda p, x: output_struct(p, x, name), out), guard.draws
 
 
 class _inside_fake_run:

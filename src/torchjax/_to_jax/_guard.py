@@ -145,6 +145,9 @@ def _argument(args: tuple, kwargs: dict, i: int, name: str) -> Any:
     return kwargs[name] if name in kwargs else args[i] if i < len(args) else None
 
 
+_SEEDED = torch.Tag.nondeterministic_seeded  # ops that draw from a generator
+
+
 class WriteGuard(TorchDispatchMode):
     """Refuses every op that writes into the storage of one of `inputs` (fake tensors), as
     its schema and training flag say (_written_args); a write no schema tells the real run
@@ -161,6 +164,7 @@ class WriteGuard(TorchDispatchMode):
         self.storages = {StorageWeakRef(t.untyped_storage()): p for t, p in pairs}
         self.name = name
         self.made = made  # called with every tensor an op returns (fake_eval tracks them)
+        self.draws = False  # whether an op drew random numbers (see partial_eval_custom)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -175,6 +179,8 @@ class WriteGuard(TorchDispatchMode):
                         metadata = torch.Tag.inplace_view in func.tags
                         how = f"{func}, seen while inferring output shapes"
                         raise inplace_error(self.name, path, how, metadata, func)
+        if _SEEDED in func.tags:
+            self.draws = True
         out = func(*args, **kwargs)
         if self.made is not None:
             for t in out if isinstance(out, list | tuple) else (out,):

@@ -29,6 +29,7 @@ from torchjax._compat._jax import (
     core,
     is_known,
     known_value,
+    new_var,
     process_by_default,
     replace_equation,
     tangent_aval,
@@ -150,6 +151,8 @@ def partial_eval_custom(saveable: Any, unks_in: list, inst_in: list, eqn: Any) -
         fn.inner,
     )
     tangent_out = [True] * (n_out - n_primal_out)
+    if _draws(eqn):
+        return _split_replaying(eqn, fn, n_primal, n_primal_out, residuals)
     if _saved(saveable, primal_eqn):
         linear_eqn = torch_call_eqn(
             eqn,
@@ -166,14 +169,59 @@ def partial_eval_custom(saveable: Any, unks_in: list, inst_in: list, eqn: Any) -
     return primal_eqn, eqn, unks_out, [True] * n_out, residuals
 
 
+def _split_replaying(eqn: Any, fn: JvpFunction, n_primal: int, n_primal_out: int, residuals):
+    """The split of a call that draws random numbers, whatever the policy: recomputed, the
+    primal half would draw anew, and the tangents (the gradient) would be those of other
+    draws than the outputs'. The known half runs as a RecordedForward without a graph (the
+    checkpoint's memory is kept), and its RNG state is a residual: the linear half replays
+    the forward's draws, as linearization's does."""
+    primal_tree, tangent_tree = eqn.params["in_tree"].children()
+    n_primal_leaves = primal_tree.num_leaves
+    statics = eqn.params["statics"]
+    forward = RecordedForward(fn.inner, fn.wrt, fn.out_mask, fn.grad_method, keep_graph=False)
+    handle, rng = (new_var(core.ShapedArray(r.shape, r.dtype)) for r in forward.residual_types())
+    known = torch_call_eqn(
+        eqn,
+        eqn.invars[:n_primal],
+        [*eqn.outvars[:n_primal_out], handle, rng],
+        primal_tree,
+        statics[:n_primal_leaves],
+        forward,
+    )
+    pair = jax.tree_util.tree_structure((0, 0))
+    linear = dataclasses.replace(fn, with_primals=False, with_residuals=True)
+    staged = torch_call_eqn(
+        eqn,
+        [*eqn.invars[:n_primal], handle, rng, *eqn.invars[n_primal:]],
+        eqn.outvars[n_primal_out:],
+        jax.tree_util.treedef_tuple([primal_tree, pair, tangent_tree]),
+        (*statics[:n_primal_leaves], ARRAY, ARRAY, *statics[n_primal_leaves:]),
+        linear,
+    )
+    n_out = len(eqn.outvars)
+    unks_out = [False] * n_primal_out + [True] * (n_out - n_primal_out)
+    return known, staged, unks_out, unks_out, [*residuals, handle, rng]
+
+
 def _var(v: Any) -> bool:
     return isinstance(v, core.Var)  # not a Literal, which is inlined wherever it is used
 
 
 def _saved(saveable: Any, eqn: Any) -> bool:
+    if _draws(eqn):
+        # A recomputation would draw again (torch's generator has moved on): the backward
+        # would differentiate other draws than the forward returned. Saved, as exact.
+        return True
     policy = pe.ensure_enum(saveable(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params))
     # Offloading is a kind of saving; this rule keeps such outputs on their device.
     return not isinstance(policy, pe.RecomputeType)
+
+
+def _draws(eqn: Any) -> bool:
+    """Whether the call's function draws random numbers its inputs do not seed (seen by a
+    fake run: a function with declared result_shape_dtypes has none, and counts as not)."""
+    root = getattr(dict(eqn.params["params"])["fn"], "root", None)
+    return root is not None and root.facts.get("draws", False)
 
 
 def torch_call_eqn(like: Any, invars: list, outvars: list, in_tree: Any, statics: tuple, fn):
