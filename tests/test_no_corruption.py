@@ -438,7 +438,7 @@ def test_dropped_wrappers_and_modules_are_freed():
 
 # -- 9: devices and errors at the edges -----------------------------------------------------
 _DEVICE_SCRIPT = """
-import jax, jax.numpy as jnp, torch, torchjax
+import jax, jax.numpy as jnp, numpy as np, torch, torchjax
 cpu1 = jax.devices()[1]
 x = jax.device_put(jnp.arange(4.0), cpu1)
 f = torchjax.to_jax(lambda t: (t * 2, {"n": t.sum()}))
@@ -492,6 +492,22 @@ for convert in (g, torchjax.tree_to_torch):
 one_copy = replicated.addressable_shards[0].data  # what the message says to convert
 assert (g(one_copy) == jnp.arange(4.0) * 2).all()
 assert torch.equal(torchjax.tree_to_torch(one_copy), torch.arange(4.0))
+# Converted tensors are not committed, as jnp.asarray leaves an array: a jit over a mesh
+# (data parallelism with module_to_jax's variables) places them; committed, it refused.
+assert not torchjax.tree_to_jax(torch.ones(2)).committed
+torch.manual_seed(0)
+lin = torch.nn.Linear(3, 1)
+apply, variables = torchjax.module_to_jax(lin)
+assert not any(a.committed for a in jax.tree.leaves(variables))
+data = jax.device_put(jnp.linspace(-1, 1, 24).reshape(8, 3), NamedSharding(mesh, PartitionSpec("d")))
+def dp_loss(p, x):
+    return jax.lax.psum(jnp.sum(apply({"params": p, "buffers": {}}, x) ** 2), "d")
+dp = jax.shard_map(dp_loss, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec("d")), out_specs=PartitionSpec())
+grads = jax.jit(jax.grad(dp))(variables["params"], data)
+want = lambda p: jnp.sum((jnp.linspace(-1, 1, 24).reshape(8, 3) @ p["weight"].T + p["bias"]) ** 2)
+ref = jax.grad(want)({k: jnp.asarray(v.detach().numpy()) for k, v in lin.named_parameters()})
+for k in ref:
+    assert np.allclose(grads[k], ref[k], rtol=1e-5), (k, grads[k], ref[k])
 print("devices ok")
 """
 

@@ -23,6 +23,7 @@ from torchjax._compat._jax import (
     ArrayImpl,
     dlpack_export,
     single_device_shard,
+    uncommitted,
 )
 from torchjax._compat._jax import jax_config as _jax_config
 from torchjax._compat._messages import is_write_refusal
@@ -384,12 +385,24 @@ def tensors_to_jax(tree: Any, root: str) -> Any:
                     f"cannot run then. Convert real tensors only, or declare the outputs with "
                     f"to_jax(fn, result_shape_dtypes=...) so that no fake run happens."
                 )
-            return tensor_to_jax(x, _leaf_path(path, root))
+            return _placed_as_jax_would(tensor_to_jax(x, _leaf_path(path, root)))
         if isinstance(x, np.ndarray):
-            return tensor_to_jax(_numpy_to_tensor(x), _leaf_path(path, root))
+            return _placed_as_jax_would(tensor_to_jax(_numpy_to_tensor(x), _leaf_path(path, root)))
         return x
 
     return jax.tree_util.tree_map_with_path(convert, tree)
+
+
+def _placed_as_jax_would(a: jax.Array) -> jax.Array:
+    """`a`, not committed to its device where that is its platform's first, as jnp.asarray
+    leaves an array: with several devices a jit over a mesh (data parallelism, shard_map)
+    may then place it, where a committed one is refused as on another device."""
+    platform = a.platform()
+    if several_devices(platform):
+        devices = a.devices()
+        if len(devices) == 1 and devices == {jax.local_devices(backend=platform)[0]}:
+            return uncommitted(a)
+    return a
 
 
 def tree_to_torch(tree: Any) -> Any:
