@@ -217,6 +217,41 @@ def test_state_below_the_modules_entries_is_not_seen_by_later_calls(mode):
     assert net.cfg.calls == 0 and not net.cache["hist"] and not net.ema.any()  # never ran
 
 
+class _RunningMax(torch.nn.Module):
+    """An observer: writes its buffer only when a call sees a new maximum."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mx", torch.zeros(()))
+
+    def forward(self, x, scale=1.0):
+        m = x.max() * scale
+        if m > self.mx:
+            self.mx.copy_(m)
+        return x / self.mx.clamp_min(1.0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_buffer_written_only_by_later_calls_is_returned_with_mutable(mode):
+    # The first call in a mode writes no buffer, so later calls would get the caller's
+    # arrays; a later call that does write (a new maximum) runs again on copies.
+    torch.manual_seed(0)
+    ref = _RunningMax()
+    # (Under jit its outputs are declared: the branch on a value has no fake run.)
+    declared = lambda x, scale=1.0: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    apply, variables = torchjax.module_to_jax(_RunningMax(), result_shape_dtypes=declared)
+    f = jax.jit(apply, static_argnames=("mutable", "scale")) if mode == "jit" else apply
+    for x, scale in [(-jnp.ones(3), 1.0), (5 * jnp.ones(3), 1.0), (jnp.ones(3), 9.0)]:
+        before = np.asarray(variables["buffers"]["mx"]).copy()
+        out, new_buffers = f(variables, x, mutable=True, scale=scale)
+        want = ref(torch.tensor(np.asarray(x)), scale=scale)
+        np.testing.assert_array_equal(out, want.numpy())
+        np.testing.assert_array_equal(new_buffers["mx"], ref.mx.numpy())
+        np.testing.assert_array_equal(variables["buffers"]["mx"], before)  # not written
+        variables = {"params": variables["params"], "buffers": new_buffers}
+    assert float(variables["buffers"]["mx"]) == 9.0
+
+
 def test_mutable_returns_the_reassigned_buffer():
     torch.manual_seed(0)
     net = _Stateful()

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from torchjax._compat._jax import traceback_boundary
+from torchjax._compat._messages import is_write_refusal
 from torchjax._compat._torch import (
     compiled_original,
     detect_fake_mode,
@@ -101,6 +102,17 @@ class _Apply:
     def copies_buffers(self, training: tuple) -> bool:
         return bool(self.state.buffers) and self.writes.get(training) is not False
 
+    def copies_after(self, error: Exception, training: tuple, copied: bool, originals: list):
+        """Copies of the buffers in `originals` (the slots' tensors) for a run again, where
+        `error` is a protected buffer refusing a write the first run in this mode did not
+        make (one that depends on values or arguments: a running max); from then on this
+        mode runs on copies. Otherwise `error` is raised: a parameter's refusal, say, which
+        the call plan reports."""
+        if copied or not self.state.buffers or not is_write_refusal(error):
+            raise error
+        self.writes[training] = True
+        return _copy_buffers(originals, self.state.n_params)
+
     def note_writes(self, training: tuple, names: list, written: list, mutable: bool) -> None:
         """Record what a run wrote; without mutable=True the writes are dropped: say so."""
         self.writes[training] = self.writes.get(training, False) or any(written)
@@ -119,6 +131,14 @@ class _Apply:
     def _make(self, mutable: bool, training: tuple, seeded: bool) -> Callable:
         state, name = self.state, self.name
 
+        def run(args, kwargs, values, seed):
+            if seed is None:  # torch's global generator, advancing as in plain PyTorch
+                return state.call(args, kwargs, values, mutable)
+            # A generator state derived from the JAX key, leaving the global one alone.
+            with _seeded, torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(seed.item()))
+                return state.call(args, kwargs, values, mutable)
+
         def forward(params, buffers, args, kwargs, seed=None):
             if _is_fake_call(params, buffers, args, kwargs):
                 return self._fake_forward(params, buffers, args, kwargs, mutable)
@@ -127,12 +147,11 @@ class _Apply:
             copied = self.copies_buffers(mode)
             if copied:
                 values = _copy_buffers(values, state.n_params)
-            if seed is None:  # torch's global generator, advancing as in plain PyTorch
-                out = state.call(args, kwargs, values, mutable)
-            else:  # a generator state derived from the JAX key, leaving the global one alone
-                with _seeded, torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(int(seed.item()))
-                    out = state.call(args, kwargs, values, mutable)
+            try:
+                out = run(args, kwargs, values, seed)
+            except RuntimeError as e:
+                values, copied = self.copies_after(e, mode, copied, originals), True
+                out = run(args, kwargs, values, seed)
             if copied:
                 self._learn_writes(mode, originals, values, mutable)
             return out
@@ -255,7 +274,12 @@ def _flat_forward(impl: _Apply, in_tree: Any, template: list, mutable: bool) -> 
         if copied:
             values = _copy_buffers(values, n_params)
         a, kw = rebuild(tensors)
-        out = state.call(a, kw, values, mutable)
+        try:
+            out = state.call(a, kw, values, mutable)
+        except RuntimeError as e:
+            originals = [tensors[k] for k in slot_tensors]
+            values, copied = impl.copies_after(e, mode, copied, originals), True
+            out = state.call(a, kw, values, mutable)
         if copied:
             impl._learn_writes(mode, [tensors[k] for k in slot_tensors], values, mutable)
         return out
