@@ -99,6 +99,18 @@ def test_script_module_is_refused_with_the_wrapping_that_works():
     tree_close(jax.jit(jax.grad(lambda x: f(x).sum()))(x), linear.weight.sum(0).expand(4, 2))
 
 
+def test_lazy_module_is_refused_saying_to_call_it_first():
+    net = torch.nn.Sequential(torch.nn.LazyLinear(3), torch.nn.Tanh())
+    with pytest.raises(
+        ArgumentError, match=r"(?s)its parameter '0.weight' is not initialized.*module\(example"
+    ):
+        torchjax.module_to_jax(net)
+    x = torch.ones(4, 2)
+    net(x)  # what the message says: then it converts, and computes what torch does
+    apply, variables = torchjax.module_to_jax(net)
+    tree_close(apply(variables, jnp.ones((4, 2))), net(x))
+
+
 def test_scripted_submodule_is_refused_naming_it():
     class Outer(torch.nn.Module):
         def __init__(self):

@@ -391,6 +391,10 @@ def module_to_jax(
             raise ArgumentError(
                 _SCRIPTED.format(name=type(module).__name__, what=what, call="model")
             )
+    for kind, named in (("parameter", module.named_parameters), ("buffer", module.named_buffers)):
+        for path, t in named():
+            if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+                raise ArgumentError(_LAZY.format(name=type(module).__name__, kind=kind, path=path))
     options = {
         "vmap_method": vmap_method,
         "vmap_randomness": vmap_randomness,
@@ -474,6 +478,14 @@ def _describe_rng(rng: Any) -> str:
     if hasattr(rng, "dtype") and hasattr(rng, "shape"):
         return f"a {rng.dtype}{list(rng.shape)} array"
     return f"{rng!r}"[:80] + f" ({type(rng).__name__})"
+
+
+_LAZY = """\
+module_to_jax({name}): its {kind} {path!r} is not initialized yet: it belongs to a lazy
+module (LazyLinear, LazyConv2d, ...), which finds its shapes on its first call. Call the
+module once in torch on an example input first, then convert it:
+    module(example_input)
+    apply, variables = torchjax.module_to_jax(module)"""
 
 
 def _rebuilt(module: torch.nn.Module, options: dict, result_shape_dtypes: Any) -> ModuleFunction:
