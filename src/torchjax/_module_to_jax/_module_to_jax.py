@@ -391,10 +391,7 @@ def module_to_jax(
             raise ArgumentError(
                 _SCRIPTED.format(name=type(module).__name__, what=what, call="model")
             )
-    for kind, named in (("parameter", module.named_parameters), ("buffer", module.named_buffers)):
-        for path, t in named():
-            if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
-                raise ArgumentError(_LAZY.format(name=type(module).__name__, kind=kind, path=path))
+    _refuse_lazy(module)
     options = {
         "vmap_method": vmap_method,
         "vmap_randomness": vmap_randomness,
@@ -478,6 +475,15 @@ def _describe_rng(rng: Any) -> str:
     if hasattr(rng, "dtype") and hasattr(rng, "shape"):
         return f"a {rng.dtype}{list(rng.shape)} array"
     return f"{rng!r}"[:80] + f" ({type(rng).__name__})"
+
+
+def _refuse_lazy(module: torch.nn.Module) -> None:
+    """ArgumentError for a parameter or buffer a lazy module has not initialized. (A function
+    of its own: a loop variable left holding a tensor would make copy="move" copy it.)"""
+    for kind, named in (("parameter", module.named_parameters), ("buffer", module.named_buffers)):
+        for path, t in named():
+            if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+                raise ArgumentError(_LAZY.format(name=type(module).__name__, kind=kind, path=path))
 
 
 _LAZY = """\

@@ -24,7 +24,8 @@ apply(variables, ...), or put the weights back into the module first:
     module.load_state_dict(
         torchjax.tree_to_torch({{{{**variables["params"], **variables["buffers"]}}}}),
         assign=True)
-(then re-tie tied weights, e.g. model.tie_weights() in Hugging Face)."""
+(tied weights appear once in variables: for a model with them pass strict=False too, and
+re-tie them after, e.g. model.tie_weights() in Hugging Face)."""
 
 # `why` of an idle copy's tensor.
 IDLE = """\
