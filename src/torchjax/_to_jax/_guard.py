@@ -86,7 +86,7 @@ def inplace_error(
         return InPlaceMutationError(METADATA_MESSAGE.format(name=name, path=path, how=how))
     fix = _FIX_ANY  # (an op whose out-of-place form torch lacks, e.g. zero_, gets this)
     if func is not None:
-        schema = func._schema
+        schema = op_schema(func)
         op = schema.name.split("::")[-1]
         out = any(a.kwarg_only and a.alias_info and a.alias_info.is_write for a in schema.arguments)
         if op.endswith("_") and hasattr(torch.Tensor, op[:-1]) and not op.startswith("_"):

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from torchjax._compat._torch import is_fake, module_buffers, module_children, module_parameters
+from torchjax._compat._torch import tensor_version as _version
 
 # Entries every nn.Module has in its __dict__ (hook tables, flags): torch's bookkeeping,
 # which a forward does not change. Other dicts, lists and sets are the module's own state
@@ -23,7 +24,6 @@ from torchjax._compat._torch import is_fake, module_buffers, module_children, mo
 TORCH_ENTRIES = frozenset(torch.nn.Module().__dict__)
 _CONTAINERS = (dict, list, set, collections.OrderedDict, collections.defaultdict)
 _is = operator.is_
-_version = operator.attrgetter("_version")
 
 
 class ModuleSnapshot:
@@ -173,7 +173,7 @@ class NestedState:
         self.saved_lists = [list(x) for x in self.lists]
         self.saved_others = [copy.copy(x) for x in self.others]
         self.data = [t.detach().clone() for t in self.tensors]
-        self.versions = [t._version for t in self.tensors]
+        self.versions = [_version(t) for t in self.tensors]
         self.empty = not (self.dicts or self.lists or self.others or self.tensors)
 
     def _walk(self, v: Any, seen: set, budget: list) -> None:
@@ -232,12 +232,12 @@ class NestedState:
             x.update(saved) if isinstance(x, set) else x.extend(saved)
         with torch.no_grad():
             for k, (t, data) in enumerate(zip(self.tensors, self.data, strict=True)):
-                if t._version != self.versions[k]:
+                if _version(t) != self.versions[k]:
                     if t.shape == data.shape and t.stride() == data.stride():
                         t.copy_(data)
                     else:  # resized or restrided in place (resize_, t_)
                         t.set_(data.clone())
-                    self.versions[k] = t._version
+                    self.versions[k] = _version(t)
 
 
 def _differs(v: Any, saved: Any) -> bool:
