@@ -393,6 +393,22 @@ def test_torch_compile_of_a_lambda_defined_without_source():
         close(compiled(x), torch.sin(x) * 2 + 1)
 
 
+def test_make_fx_real_mode_and_func_linearize_record_the_call():
+    # make_fx's real mode (and torch.func.linearize, built on it) traces plain tensors: a
+    # call that ran JAX on them was recorded as a constant, the trace-time output.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    g = to_torch(lambda x: jnp.sin(x) * 3)
+    x1, x2 = torch.tensor([0.5, 1.0, 2.0]), torch.tensor([-1.0, 0.0, 4.0])
+    g(x1), g(x1)  # the shortcut is set up: it must not run inside the trace either
+    traced = make_fx(g)(x1)
+    close(traced(x2), torch.sin(x2) * 3)
+    t = torch.tensor([1.0, -1.0, 3.0])
+    primal, tangent_fn = torch.func.linearize(g, x1)
+    close(primal, torch.sin(x1) * 3)
+    close(tangent_fn(t), torch.cos(x1) * 3 * t)
+
+
 # ---------------------------------------------------------------- round trip, docs, gpu
 
 

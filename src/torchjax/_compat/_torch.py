@@ -188,6 +188,20 @@ forward_ad_level = (
 )
 
 
+# make_fx's proxy mode (torch.func.linearize, torch.fx tracing in real mode): its tensors are
+# plain ones, and a call that ran JAX on them would be recorded as a constant.
+_get_dispatch_mode = private("torch._C._get_dispatch_mode")
+_PROXY_KEY = private("torch._C._TorchDispatchModeKey.PROXY")
+
+
+def proxy_mode_active() -> bool:
+    """Whether make_fx is tracing (its proxy dispatch mode is set); where torch lacks the
+    query, assume so (the call then goes through the custom op, which is always right)."""
+    if _get_dispatch_mode is ABSENT or _PROXY_KEY is ABSENT:
+        return True
+    return _get_dispatch_mode(_PROXY_KEY) is not None
+
+
 # Leaves functorch's interpreter stack for a moment (setting generator state inside a
 # torch.func transform must not be intercepted by it).
 DisableFuncTorch = private("torch._C._DisableFuncTorch")

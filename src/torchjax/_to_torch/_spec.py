@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from torchjax._compat._torch import proxy_mode_active
 from torchjax._convert import array_to_tensor, tensor_to_jax, torch_dtype
 from torchjax._errors import ConversionError, JaxOutputError
 
@@ -203,8 +204,10 @@ def run_spec(spec: Spec, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tenso
         if type(t) not in _PLAIN:
             break
     else:
-        return spec.run(tensors)
-    # Fake or functional tensors: torch.compile is tracing.
+        if not proxy_mode_active():
+            return spec.run(tensors)
+    # Fake or functional tensors (torch.compile is tracing), or make_fx's proxy mode
+    # (torch.func.linearize): the custom op, which the trace records as a call.
     if spec.op_id is None:
         spec.op_id = len(_OP_SPECS)
         _OP_SPECS.append(spec)
