@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import Square
 from hypothesis import given, settings
 
 import torchjax
@@ -313,6 +314,77 @@ def test_vmap_with_unbatched_inputs_only():
 
 
 # ---------------------------------------------------------------- errors
+
+
+# ------------------------------------------- torch's legacy vmap (vectorized backward)
+# autograd.grad(is_grads_batched=True), autograd.functional.jacobian/hessian(vectorize=True)
+# and gradcheck's batched checks run the backward under torch._vmap_internals' vmap, whose
+# tensors have no storage. Reference: the same maths written in torch, through the same API.
+
+
+def _energy_pair():
+    return (
+        lambda x, y: jnp.sin(x) * x * jnp.sum(y**2),
+        lambda x, y: torch.sin(x) * x * (y**2).sum(),
+    )
+
+
+def test_vectorized_jacobian_and_hessian_match_torch():
+    jf, tf = _energy_pair()
+    g = to_torch(jf)
+    x = torch.linspace(-1, 1, 3, dtype=torch.float64)
+    y = torch.tensor([0.5, -2.0], dtype=torch.float64)
+    jac = torch.autograd.functional.jacobian
+    hess = torch.autograd.functional.hessian
+    with x64():
+        for got, want in zip(jac(g, (x, y), vectorize=True), jac(tf, (x, y)), strict=True):
+            torch.testing.assert_close(got, want)
+        for strategy in ("reverse-mode", "forward-mode"):
+            got = hess(lambda x: g(x, y).sum(), x, vectorize=True, outer_jacobian_strategy=strategy)
+            torch.testing.assert_close(got, hess(lambda x: tf(x, y).sum(), x))
+
+
+def test_batched_grads_and_batched_gradcheck():
+    jf, tf = _energy_pair()
+    g = to_torch(jf)
+    x = torch.linspace(-1, 1, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0.5, -2.0], dtype=torch.float64, requires_grad=True)
+    cotangents = torch.randn(4, 3, dtype=torch.float64)
+    with x64():
+        got = torch.autograd.grad(g(x, y), (x, y), cotangents, is_grads_batched=True)
+        want = torch.autograd.grad(tf(x, y), (x, y), cotangents, is_grads_batched=True)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+        assert torch.autograd.gradcheck(g, (x, y), check_batched_grad=True)
+        assert torch.autograd.gradgradcheck(g, (x, y), check_batched_grad=True)
+
+
+def test_no_grad_calls_in_a_vectorized_backward_take_the_batched_way():
+    """A user's Function whose backward calls to_torch functions on the cotangent: from the
+    second call on the shortcut (_hot_call.py) sees the legacy-batched tensors."""
+    twice = to_torch(lambda g: 2 * g)
+    pair = to_torch(lambda g, h: (2 * g, h))
+
+    class SquareThroughJax(Square):
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            with torch.no_grad():
+                doubled, same = pair(g, g)
+                return twice(g) * x + 0 * doubled * same
+
+    x = torch.linspace(-1, 1, 3)
+    for _ in range(3):  # the first call builds the shortcut, the later ones take it
+        got = torch.autograd.functional.jacobian(SquareThroughJax.apply, x, vectorize=True)
+        torch.testing.assert_close(got, torch.diag(2 * x))
+
+
+def test_nested_legacy_vmap_is_refused_with_the_way_out():
+    from torch._vmap_internals import _vmap
+
+    g = to_torch(lambda x: x * 2)
+    with pytest.raises(torchjax.errors.ArgumentError, match="(?s)nested levels.*torch.func"):
+        _vmap(_vmap(g))(torch.ones(2, 3))
 
 
 def test_error_static_array_leaf():

@@ -230,6 +230,33 @@ FAST_VMAP = ABSENT not in (
     vmap_lazy_load_decompositions,
 )
 
+# torch's legacy vmap (torch._vmap_internals), which torch.autograd.grad(is_grads_batched=
+# True), autograd.functional.jacobian/hessian(vectorize=True) and gradcheck's batched checks
+# run a backward under: its batched tensors have no storage for DLPack, so to_torch takes the
+# batch dimension off, calls the jax.vmap'ed function and puts it back (_spec.py).
+_NO_LEGACY_VMAP = "to_torch under torch's legacy vmap (vectorize=True, is_grads_batched) fails"
+is_legacy_batched = private("torch._C._functorch.is_legacy_batchedtensor", fallback=_NO_LEGACY_VMAP)
+legacy_add_batch_dim = private("torch._add_batch_dim", fallback=_NO_LEGACY_VMAP)
+legacy_remove_batch_dim = private("torch._remove_batch_dim", fallback=_NO_LEGACY_VMAP)
+_legacy_enter = private("torch._C._vmapmode_increment_nesting", fallback=_NO_LEGACY_VMAP)
+_legacy_leave = private("torch._C._vmapmode_decrement_nesting", fallback=_NO_LEGACY_VMAP)
+LEGACY_VMAP = ABSENT not in (
+    is_legacy_batched,
+    legacy_add_batch_dim,
+    legacy_remove_batch_dim,
+    _legacy_enter,
+    _legacy_leave,
+)
+
+
+def legacy_vmap_level() -> int:
+    """How many legacy vmaps are running (0: none); the innermost one's level. Torch has no
+    getter: entering one more returns the level it would have."""
+    level = _legacy_enter()
+    _legacy_leave()
+    return level - 1
+
+
 # Whether a tensor is batched at the innermost vmap level, from inside the vmapped function:
 # which outputs of a batched call stay unbatched (jax.vmap's out_axes=None, _callables.py).
 # A wrapper's level says which transform made it; one from an outer level is not batched

@@ -86,20 +86,20 @@ def hot_call(spec: Spec, tensors: list, run: Callable[[Spec, Any, tuple], Any], 
                     return run(spec, out_tree, args)
         # Spec.run, its conversions inlined (tensor_to_jax's, array_to_tensor's common case)
         arrays = []
-        for a in args:
-            if not (
-                a.is_cpu
-                and a.layout is _strided
-                and a.is_contiguous()
-                and not a.const_data_ptr() % 64
-                and not (complex_in and a.is_conj())
-                and not a.is_neg()
-            ):
-                return run(spec, out_tree, args)  # a copy or another device: the full way
-            try:
+        try:
+            for a in args:
+                if not (
+                    a.is_cpu
+                    and a.layout is _strided
+                    and a.is_contiguous()
+                    and not a.const_data_ptr() % 64
+                    and not (complex_in and a.is_conj())
+                    and not a.is_neg()
+                ):
+                    return run(spec, out_tree, args)  # a copy or another device: full way
                 arrays.append(dlpack_import(tensor_to_capsule(a), cpu, *form))
-            except RuntimeError:  # memory that refuses a writable pointer: the full way
-                return run(spec, out_tree, args)  # (copies it; tensor_to_jax says when)
+        except RuntimeError:  # memory that refuses a writable pointer (copied, and
+            return run(spec, out_tree, args)  # tensor_to_jax says when), or none at all
         results = outputs(jitted(*arrays))
         # XLA may forward an input as an output, or give two outputs one buffer; torch must
         # not see two tensors that secretly share memory (as in Spec.run).
@@ -116,24 +116,25 @@ def hot_call(spec: Spec, tensors: list, run: Callable[[Spec, Any, tuple], Any], 
         a = args[0]
         if not isinstance(a, _Tensor) or a.dtype is not dtype or a.shape != shape:
             return MISS
-        if (
-            (type(a) is not _Tensor and type(a) is not _Parameter)  # torch.compile tracing
-            or transforms_active()
-            or dual_level() >= 0
-            or proxy_mode_active()  # make_fx tracing: the call must be recorded
-            or (a.requires_grad and _grad_enabled())
-            or not a.is_cpu
-            or a.layout is not _strided
-            or not a.is_contiguous()
-            or a.const_data_ptr() % 64
-            or (complex_in and a.is_conj())
-            or a.is_neg()
-        ):
-            return run(spec, out_tree, args)
         try:
+            if (
+                (type(a) is not _Tensor and type(a) is not _Parameter)  # torch.compile
+                or transforms_active()
+                or dual_level() >= 0
+                or proxy_mode_active()  # make_fx tracing: the call must be recorded
+                or (a.requires_grad and _grad_enabled())
+                or not a.is_cpu
+                or a.layout is not _strided
+                or not a.is_contiguous()
+                or a.const_data_ptr() % 64
+                or (complex_in and a.is_conj())
+                or a.is_neg()
+            ):
+                return run(spec, out_tree, args)
             x = dlpack_import(tensor_to_capsule(a), cpu, *form)
-        except RuntimeError:  # memory that refuses a writable pointer: the full way
-            return run(spec, out_tree, args)  # (copies it; tensor_to_jax says when)
+        except RuntimeError:  # memory that refuses a writable pointer (copied, and
+            # tensor_to_jax says when), or no storage at all (torch's legacy vmap)
+            return run(spec, out_tree, args)
         (o,) = jitted(x)
         if plain_outs[0]:
             r = tensor_from_capsule(dlpack_export(o, stream=None))

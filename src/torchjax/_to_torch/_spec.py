@@ -15,9 +15,16 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torchjax._compat._torch import proxy_mode_active
+from torchjax._compat._torch import (
+    LEGACY_VMAP,
+    is_legacy_batched,
+    legacy_add_batch_dim,
+    legacy_remove_batch_dim,
+    legacy_vmap_level,
+    proxy_mode_active,
+)
 from torchjax._convert import array_to_tensor, tensor_to_jax, torch_dtype
-from torchjax._errors import ConversionError, JaxOutputError
+from torchjax._errors import ArgumentError, ConversionError, JaxOutputError
 
 _tree = jax.tree_util
 
@@ -203,6 +210,8 @@ def run_spec(spec: Spec, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tenso
     for t in tensors:
         if type(t) not in _PLAIN:
             break
+        if LEGACY_VMAP and is_legacy_batched(t):
+            return _run_legacy_batched(spec, tensors)
     else:
         if not proxy_mode_active():
             return spec.run(tensors)
@@ -212,3 +221,27 @@ def run_spec(spec: Spec, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tenso
         spec.op_id = len(_OP_SPECS)
         _OP_SPECS.append(spec)
     return tuple(_jax_call_op()(list(tensors), spec.op_id))
+
+
+_NESTED_LEGACY = """\
+{name} was called under {level} nested levels of torch's legacy vmap (the one
+behind autograd.grad(is_grads_batched=True), autograd.functional.jacobian/hessian(
+vectorize=True) and gradcheck's batched checks), which torchjax follows one level deep only.
+Use torch.func (jacrev, jacfwd, hessian, vmap), which nests to any depth, or vectorize=False."""
+
+
+def _run_legacy_batched(spec: Spec, tensors: tuple) -> tuple[torch.Tensor, ...]:
+    """`spec` on tensors some of which torch's legacy vmap batched: one call of the
+    jax.vmap'ed spec on the batched tensors' physical values, its outputs batched again."""
+    level = legacy_vmap_level()
+    if level != 1:
+        raise ArgumentError(_NESTED_LEGACY.format(name=spec.name, level=level))
+    physical, dims = [], []
+    for t in tensors:
+        batched = is_legacy_batched(t)
+        # (The size argument is for tensors not batched at `level`; these all are.)
+        physical.append(legacy_remove_batch_dim(t, level, 1, 0) if batched else t)
+        dims.append(0 if batched else None)
+    size = next(p.shape[0] for p, d in zip(physical, dims, strict=True) if d is not None)
+    outs = run_spec(spec.batched(tuple(dims), size), tuple(physical))
+    return tuple(legacy_add_batch_dim(o, 0, level) for o in outs)
