@@ -103,6 +103,48 @@ def test_grad_goes_through_one_vjp_call():
     assert len(vjps) == 1 and vjps[0].wrt == (0,)
 
 
+# -- a pullback differentiated with respect to its cotangent ----------------------------
+# The pullback of jax.vjp is linear in its cotangent; differentiated in reverse with
+# respect to the cotangent alone (the point fixed), its JVP pair must split into the
+# pullback of the cotangent (known) and that of its tangent (staged, to be transposed).
+
+
+def _pullback_loss(f, x, w):
+    def loss(c):
+        gx, gw = jax.vjp(f, x, w)[1](c)
+        return jnp.sum(gx**2) + jnp.sum(jnp.cos(gw))
+
+    return loss
+
+
+PULLBACK_TRANSFORMS = {
+    "grad": jax.grad,
+    "jit(grad)": lambda h: jax.jit(jax.grad(h)),
+    "grad(checkpoint)": lambda h: jax.grad(jax.checkpoint(h)),
+    "grad(checkpoint), all saved": lambda h: jax.grad(
+        jax.checkpoint(h, policy=jax.checkpoint_policies.everything_saveable)
+    ),
+    "hessian": jax.hessian,
+    "vmap(grad)": lambda h: lambda c: jax.vmap(jax.grad(h))(jnp.stack([c, 2 * c])),
+    "linearize": lambda h: lambda c: jax.linearize(h, c)[1](jnp.array([1.0, 0.5])),
+}
+
+
+@pytest.mark.parametrize("transform", list(PULLBACK_TRANSFORMS))
+def test_reverse_mode_through_a_pullback_in_its_cotangent(transform, x64):
+    f = torchjax.to_jax(lambda x, w: (torch.sin(x) * x) @ w)
+    fj = lambda x, w: (jnp.sin(x) * x) @ w
+    x, w, c = _normal(0, 3), _normal(1, 3, 2), jnp.array([1.0, -2.0])
+    t = PULLBACK_TRANSFORMS[transform]
+    tree_close(t(_pullback_loss(f, x, w))(c), t(_pullback_loss(fj, x, w))(c))
+
+
+def test_check_grads_of_a_pullback_in_its_cotangent(x64):
+    f = torchjax.to_jax(lambda x, w: (torch.sin(x) * x) @ w)
+    loss = _pullback_loss(f, _normal(0, 3), _normal(1, 3, 2))
+    check_grads(loss, (jnp.array([1.0, -2.0]),), order=2, modes=BOTH)
+
+
 # -- non-differentiable inputs, several outputs ------------------------------------------
 
 

@@ -15,6 +15,8 @@
 #   * direct linearization (jax.grad, jax.vjp, jax.linearize): JAX's LinearizeTrace asks
 #     for a linearization rule; the forward runs now as a RecordedForward, keeping torch's
 #     graph for the VJP, and the linear half is bound on the tangent trace.
+# The JVP of a VJP in its cotangents, VjpFunction(with_tangents=True), splits in the first
+# two places the same way: the pullback of the cotangents now, that of their tangents staged.
 # (vmap over tangents only is split by the batching rule, _rule_batching.py.) Any other case
 # (a primal unknown too, everything known) is treated whole.
 from __future__ import annotations
@@ -64,6 +66,11 @@ def partial_eval(trace: pe.JaxprTrace, *tracers: Any, **flat: Any) -> list:
     """
     fn, in_tree, statics = _combined(flat["params"]), flat["in_tree"], flat["statics"]
     known = [is_known(t) for t in tracers]
+    pair = _pullback_pair(flat["params"])
+    if pair is not None:
+        halves = _pair_halves(in_tree, statics)
+        if all(known[: halves.n_known]) and not all(known):
+            return _split_pair(trace, pair, halves, tracers, dict(flat["params"])["options"])
     n_primal = _primal_operand_count(in_tree, statics) if fn else 0
     if fn is None or all(known) or not all(known[:n_primal]):
         return process_by_default(trace, _prim, tracers, flat)
@@ -79,6 +86,63 @@ def partial_eval(trace: pe.JaxprTrace, *tracers: Any, **flat: Any) -> list:
     linear = dataclasses.replace(fn, with_primals=False, with_residuals=True)
     with core.set_current_trace(trace):
         tangents = torch_call_p.bind(primals_t, residuals, tangents_t, fn=linear, options=options)
+    return [*outs, *tangents]
+
+
+def _pullback_pair(params: tuple) -> VjpFunction | None:
+    fn = dict(params)["fn"]
+    return fn if isinstance(fn, VjpFunction) and fn.with_tangents else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _PairHalves:
+    """How a pullback pair's call ``(*points, cotangents, more)`` (the JVP of a VJP in its
+    cotangents, _rule_jvp.py) splits into its two pullbacks, which is exact since a VJP is
+    linear in its cotangents: ``(*points, cotangents)``, its outputs, and ``(*points,
+    more)``, its tangents, linear in `more`. Operands are numbered as the call's are."""
+
+    known_tree: Any
+    known_statics: tuple
+    n_known: int  # operands of (*points, cotangents), which come first
+    n_points: int  # operands of the points
+    staged_tree: Any
+    staged_statics: tuple
+
+
+def _pair_halves(in_tree: Any, statics: tuple) -> _PairHalves:
+    kids = in_tree.children()
+    n_more = kids[-1].num_leaves
+    n_points_leaves = len(statics) - n_more - kids[-2].num_leaves
+    known_statics = statics[: len(statics) - n_more]
+    staged_statics = (*statics[:n_points_leaves], *statics[len(statics) - n_more :])
+    return _PairHalves(
+        known_tree=_tree_tuple(kids[:-1]),
+        known_statics=known_statics,
+        n_known=sum(1 for s in known_statics if s is ARRAY),
+        n_points=sum(1 for s in statics[:n_points_leaves] if s is ARRAY),
+        staged_tree=_tree_tuple([*kids[:-2], kids[-1]]),
+        staged_statics=staged_statics,
+    )
+
+
+def _tree_tuple(kids: list) -> Any:
+    return jax.tree_util.treedef_tuple(kids)
+
+
+def _split_pair(trace: Any, pair: VjpFunction, halves: _PairHalves, tracers: tuple, options):
+    """JaxprTrace rule for a pullback pair whose cotangents are known and whose second set
+    (`more`) is not: the first pullback runs now, the second is staged, linear in `more`.
+    (The forward runs once for each; the pair's single forward is for jax.jvp alone.)"""
+    single = dataclasses.replace(pair, with_tangents=False)
+    values = as_operands([known_value(t) for t in tracers[: halves.n_known]])
+    out = torch_call_p.bind(
+        *rebuild(halves.known_tree, halves.known_statics, values), fn=single, options=options
+    )
+    outs = [trace_constant(trace, v) for v in out]
+    staged = [*tracers[: halves.n_points], *tracers[halves.n_known :]]
+    args = rebuild(halves.staged_tree, halves.staged_statics, staged)
+    with core.set_current_trace(trace):
+        tangents = torch_call_p.bind(*args, fn=single, options=options)
     return [*outs, *tangents]
 
 
@@ -136,6 +200,11 @@ def partial_eval_custom(saveable: Any, unks_in: list, inst_in: list, eqn: Any) -
         if _saved(saveable, eqn):
             return eqn, None, [False] * n_out, [False] * n_out, []
         return eqn, eqn, [False] * n_out, [True] * n_out, residuals
+    pair = _pullback_pair(eqn.params["params"])
+    if pair is not None:
+        halves = _pair_halves(eqn.params["in_tree"], eqn.params["statics"])
+        if not any(unks_in[: halves.n_known]):
+            return _split_pair_eqn(eqn, pair, halves, inst_in)
     n_primal = _primal_operand_count(eqn.params["in_tree"], eqn.params["statics"]) if fn else 0
     if fn is None or any(unks_in[:n_primal]):
         return None, eqn, [True] * n_out, [True] * n_out, residuals
@@ -167,6 +236,30 @@ def partial_eval_custom(saveable: Any, unks_in: list, inst_in: list, eqn: Any) -
     # Recompute: the staged half is the whole call, outputs included.
     unks_out = [False] * n_primal_out + tangent_out
     return primal_eqn, eqn, unks_out, [True] * n_out, residuals
+
+
+def _split_pair_eqn(eqn: Any, pair: VjpFunction, halves: _PairHalves, inst_in: list) -> tuple:
+    """partial_eval_jaxpr_custom's split of a pullback pair with known cotangents (see
+    _split_pair): the known equation pulls back the cotangents, the staged one `more`. The
+    outputs are saved whatever the policy: a pullback draws nothing."""
+    single = dataclasses.replace(pair, with_tangents=False)
+    n_half = len(eqn.outvars) // 2
+    known = torch_call_eqn(
+        eqn,
+        eqn.invars[: halves.n_known],
+        eqn.outvars[:n_half],
+        halves.known_tree,
+        halves.known_statics,
+        single,
+    )
+    read = [*range(halves.n_points), *range(halves.n_known, len(eqn.invars))]
+    staged_in = [eqn.invars[i] for i in read]
+    staged = torch_call_eqn(
+        eqn, staged_in, eqn.outvars[n_half:], halves.staged_tree, halves.staged_statics, single
+    )
+    residuals = [eqn.invars[i] for i in read if _var(eqn.invars[i]) and not inst_in[i]]
+    unks_out = [False] * n_half + [True] * (len(eqn.outvars) - n_half)
+    return known, staged, unks_out, unks_out, residuals
 
 
 def _split_replaying(eqn: Any, fn: JvpFunction, n_primal: int, n_primal_out: int, residuals):
