@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -171,6 +172,37 @@ def test_warning_is_caught_by_its_public_class(name):
     provoke, message = WARNING_CASES[name]
     with pytest.warns(getattr(errors, name), match=message):
         provoke()
+
+
+def _warned_where(call):
+    """(file, line) each torchjax warning of `call()` names, and those of `call`'s line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    ours = [w for w in caught if w.category.__module__.startswith("torchjax")]
+    assert ours, caught
+    return {(w.filename, w.lineno) for w in ours}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_warnings_point_at_the_users_call(jit):
+    """Not at torchjax's own code: the user's line (through JAX's tracing under jit)."""
+    here = inspect.getsourcefile(test_warnings_point_at_the_users_call)
+    wrap = jax.jit if jit else (lambda f: f)
+    apply, variables = torchjax.module_to_jax(torch.nn.BatchNorm1d(2))
+    line = inspect.currentframe().f_lineno + 1
+    state = lambda: wrap(lambda x: apply(variables, x))(jnp.ones((4, 2)))
+    assert _warned_where(state) == {(here, line)}
+    f = torchjax.to_jax(lambda t: t * (t.data_ptr() > 0))
+    line = inspect.currentframe().f_lineno + 1
+    copy = lambda: wrap(f)(jnp.ones(3))
+    assert _warned_where(copy) == {(here, line)}
+    held = torch.nn.Linear(2, 2)
+    kept = held.weight  # still referenced here: "move" copies it, and says so
+    line = inspect.currentframe().f_lineno + 1
+    move = lambda: torchjax.module_to_jax(held, copy="move")
+    assert _warned_where(move) == {(here, line)}
+    del kept
 
 
 def test_builtin_kinds_still_catch():

@@ -5,6 +5,9 @@
 # kind, so `except TypeError` and the like keep working.
 from __future__ import annotations
 
+import sys
+import warnings
+
 
 class TorchJaxError(Exception):
     """Base class of every error torchjax raises on purpose."""
@@ -97,3 +100,18 @@ class CopyWarning(UserWarning):
     """A wrapped function asked an input for a writable pointer without writing (.numpy(),
     data_ptr(), some compiled kernels): its calls of that signature run on copies of their
     inputs from then on (read addresses with const_data_ptr() to stay zero-copy)."""
+
+
+# Frames a warning is not attributed to: torchjax's own, and those of the libraries between
+# the user's call and torchjax's (JAX's tracing and dispatch, torch's module call).
+_LIBRARIES = frozenset({"torchjax", "jax", "jaxlib", "torch", "contextlib", "functools"})
+
+
+def warn(text: str, category: type[Warning]) -> None:
+    """warnings.warn, attributed to the user's line that led here (the first frame outside
+    torchjax and the libraries it runs under), so that the message points at the user's
+    call and the warning filters' once-per-location rule counts the user's locations."""
+    frame, level = sys._getframe(1), 2  # 2: warn's caller
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARIES:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(text, category, stacklevel=level)

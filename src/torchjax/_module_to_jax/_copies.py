@@ -20,7 +20,6 @@ import collections
 import copy
 import operator
 import threading
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,7 +34,7 @@ from torchjax._compat._torch import (
     parametrize_cache,
     storage_id,
 )
-from torchjax._errors import StateWarning, VariablesError
+from torchjax._errors import StateWarning, VariablesError, warn
 from torchjax._module_to_jax._placeholders import BATCHED, IDLE, placeholder
 from torchjax._to_jax._fake_run import real_mode
 from torchjax._to_jax._residual import HeldState, KeptGraph, hold, input_view, rebuild_input_view
@@ -304,14 +303,13 @@ class ModuleState:
         if name in self.warned:
             return
         self.warned.add(name)
-        warnings.warn(
+        warn(
             f"{type(self.module).__name__}'s forward {how}: buffer {name!r}. With "
             f"mutable=False apply is a pure function of its variables, so the new value is "
             f"dropped and the next call sees variables['buffers'][{name!r}] again. To keep "
             f"it, call apply(variables, ..., mutable=True), which returns (output, "
             f"new_buffers), and pass the new buffers to the next call.",
             StateWarning,
-            stacklevel=2,
         )
 
     def fake_call(self, args: tuple, kwargs: dict, values: list, read_buffers: bool) -> Any:

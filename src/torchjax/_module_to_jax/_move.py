@@ -15,14 +15,13 @@
 # get the weights back.
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 
 from torchjax._compat._torch import module_buffers, module_parameters
 from torchjax._convert import tensors_to_jax
-from torchjax._errors import CopyWarning
+from torchjax._errors import CopyWarning, warn
 from torchjax._module_to_jax._placeholders import MOVED, placeholder
 from torchjax._to_jax._guard import owns_memory_alone
 
@@ -72,7 +71,7 @@ def move_out(module: torch.nn.Module, groups: dict[str, dict[str, torch.Tensor]]
         tensors.update(left)
     if copied:
         plural = len(copied) > 1
-        warnings.warn(
+        warn(
             _HELD.format(
                 module=kind,
                 names=", ".join(copied),
@@ -80,6 +79,5 @@ def move_out(module: torch.nn.Module, groups: dict[str, dict[str, torch.Tensor]]
                 pronoun="they" if plural else "it",
             ),
             CopyWarning,
-            stacklevel=3,
         )
     return variables

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import math
 import threading
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +34,13 @@ from torchjax._convert import (
     tensor_to_jax,
     torch_dtype,
 )
-from torchjax._errors import ConversionError, CopyWarning, OutputMismatchError, TorchJaxError
+from torchjax._errors import (
+    ConversionError,
+    CopyWarning,
+    OutputMismatchError,
+    TorchJaxError,
+    warn,
+)
 from torchjax._primitive._params import ARRAY, is_operand
 from torchjax._to_jax._cuda import gpu_oom_note
 from torchjax._to_jax._guard import (
@@ -245,7 +250,7 @@ class CallPlan:
                 raise inplace_error(self.name, self.input_path(k), _ON_COPY)
         if compare and not self.on_copies and self.fn.root not in _WARNED_COPIES:
             _WARNED_COPIES.add(self.fn.root)
-            warnings.warn(ON_COPIES.format(name=self.name), CopyWarning, stacklevel=2)
+            warn(ON_COPIES.format(name=self.name), CopyWarning)
         self.on_copies = True
         self.plain = False
         return out

@@ -6,14 +6,13 @@
 # has no equivalent of, a torch tensor where a JAX array belongs.
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
 import torch
 
 from torchjax._convert import SUPPORTED_DTYPES, torch_dtype
-from torchjax._errors import ConversionError, ShardingWarning
+from torchjax._errors import ConversionError, ShardingWarning, warn
 from torchjax._to_jax._callables import DerivedFunction
 from torchjax._to_jax._options import Options
 
@@ -69,7 +68,7 @@ def warn_if_sharded(fn: Any, args: tuple) -> None:
         if axes:
             shown = ", ".join(repr(a) for a in spec)
             text = SHARDED.format(name=fn.name, path=fn.arg_path(path), axes=axes, spec=shown)
-            warnings.warn(text, ShardingWarning, stacklevel=2)
+            warn(text, ShardingWarning)
             return
 
 
