@@ -111,6 +111,27 @@ def test_lazy_module_is_refused_saying_to_call_it_first():
     tree_close(apply(variables, jnp.ones((4, 2))), net(x))
 
 
+def test_a_forward_writing_its_own_parameter_gets_the_parameter_advice():
+    torch.manual_seed(0)
+    with_max_norm = torch.nn.Embedding(6, 3, max_norm=1.0)
+    weight = with_max_norm.weight.detach().clone()
+    ids = torch.tensor([1, 4, 4])
+    apply, variables = torchjax.module_to_jax(with_max_norm)
+    with pytest.raises(torchjax.errors.InPlaceMutationError) as info:
+        apply(variables, jnp.asarray(ids.numpy()))
+    text = str(info.value)
+    assert "variables['params']['weight']" in text  # where
+    assert "parameters are inputs of each call" in text and "without max_norm" in text
+    assert "x = x.clone()" not in text  # an input's advice, which a parameter cannot take
+    np.testing.assert_array_equal(variables["params"]["weight"], weight.numpy())  # unchanged
+    # The advice: the Embedding without max_norm, the rows' norms limited in JAX.
+    apply, variables = torchjax.module_to_jax(torch.nn.Embedding(6, 3))
+    norms = jnp.linalg.norm(weight.numpy(), axis=1, keepdims=True)
+    limited = jnp.where(norms > 1.0, weight.numpy() / (norms + 1e-7), weight.numpy())
+    got = apply({"params": {"weight": limited}, "buffers": {}}, jnp.asarray(ids.numpy()))
+    tree_close(got, with_max_norm(ids), rtol=1e-6)
+
+
 def test_scripted_submodule_is_refused_naming_it():
     class Outer(torch.nn.Module):
         def __init__(self):

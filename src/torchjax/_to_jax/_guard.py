@@ -60,6 +60,12 @@ _FIX_ANY = """Clone the input before writing into it (`x = x.clone()`, then writ
 or use out-of-place ops (`y = x.mul(2)` for `x.mul_(2)`, `y = x.index_put(...)` for
 `x[i] = v`, no out=)."""
 
+_FIX_PARAMETER = """A module's parameters are inputs of each call, the caller's arrays, which
+a call must not change (mutable=True returns new buffers, never parameters). Make the
+forward's update of its own weights out of place, or make it in JAX between calls: for
+nn.Embedding(max_norm=...), which renormalizes the rows it looks up in place, build the
+Embedding without max_norm and limit the rows' norms in JAX after each optimizer step."""
+
 METADATA_MESSAGE = """\
 {name} changes its input {path} in place ({how}). That op changes only the tensor's shape or
 strides, not its data, but to_jax rejects in-place ops on its inputs all the same. Use the
@@ -93,6 +99,8 @@ def inplace_error(
             fix = _FIX_IN_PLACE.format(op=op[:-1])
         elif out and hasattr(torch, op):
             fix = _FIX_OUT.format(op=op)
+    if path.startswith("variables['params']"):  # module_to_jax's (its _describe_path)
+        fix = _FIX_PARAMETER
     return InPlaceMutationError(INPLACE_MESSAGE.format(name=name, path=path, how=how, fix=fix))
 
 
