@@ -210,6 +210,38 @@ def test_jit_graph_does_not_keep_xla_input_buffers():
         tree_close(step(w, x), jax.grad(loss_jax)(w, x), rtol=1e-4, atol=1e-5)
 
 
+def test_a_jitted_forward_frees_its_outputs_once_xla_has_them():
+    """The kept graph needs an output's grad_fn, not its values: once the output is in
+    XLA's buffer, torch's memory for it is freed (GPT-2's logits would otherwise exist twice
+    until the backward). One the function keeps (a cache) is left as it is."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    storages, cache = [], []
+
+    def fn(x, w, keep):
+        y = torch.tanh(x) @ w  # mm saves its inputs, not its output
+        storages.append(StorageWeakRef(y.untyped_storage()))
+        if keep:
+            cache.append(y)
+        return y
+
+    f = torchjax.to_jax(fn)
+    x, w = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), jnp.linspace(0.0, 1.0, 20).reshape(4, 5)
+    ref_out, ref_pull = jax.vjp(lambda x, w: jnp.tanh(x) @ w, x, w)
+    ct = jnp.linspace(1.0, 2.0, 15).reshape(3, 5)
+    for keep in (False, True):
+        storages.clear()
+        kept = len(GRAPHS)
+        forward = jax.jit(lambda x, w, keep=keep: jax.vjp(lambda x, w: f(x, w, keep), x, w))
+        out, pull = forward(x, w)
+        assert len(GRAPHS) == kept + 1  # the graph waits for its backward
+        assert storages[-1].expired() is not keep
+        tree_close(out, ref_out, rtol=1e-6)
+        tree_close(jax.jit(lambda pull, ct: pull(ct))(pull, ct), ref_pull(ct), rtol=1e-6)
+        if keep:
+            tree_close(cache.pop(), ref_out, rtol=1e-6)  # the cache's values are intact
+
+
 def test_scan_of_wrapped_steps_keeps_one_graph_per_step():
     calls = []
 
@@ -326,13 +358,16 @@ def test_a_function_that_keeps_its_input_still_reads_the_call_values():
 
 
 def _copies_after_the_backward(monkeypatch) -> list:
-    """The outputs the jitted VJP's callback copies into XLA's buffers after the call."""
+    """The shapes of the outputs the jitted callbacks copy into XLA's buffers after their
+    calls (the forward's loss, graph handle and RNG state among them)."""
     from torchjax._to_jax import _rule_lowering
 
     copied = []
     write = _rule_lowering.write_output
     monkeypatch.setattr(
-        _rule_lowering, "write_output", lambda d, v, w: copied.append(w) or write(d, v, w)
+        _rule_lowering,
+        "write_output",
+        lambda d, v, w: copied.append(tuple(d.shape)) or write(d, v, w),
     )
     return copied
 
@@ -352,7 +387,7 @@ def test_jitted_gradients_go_into_xlas_buffers_as_torch_computes_them(monkeypatc
     copied = _copies_after_the_backward(monkeypatch)
     step = jax.jit(jax.value_and_grad(torchjax.to_jax(_wide_loss)))
     value, grads = step(WIDE, X_WIDE)
-    assert len(copied) == 1  # b's; w's went in during the backward
+    assert (256,) in copied and (256, 256) not in copied  # b's; w's went in during it
 
     def reference(params, x):
         return (jnp.tanh(x @ params["w"] + params["b"]) ** 2).mean()
@@ -369,7 +404,7 @@ def test_without_graph_task_ids_the_gradients_are_copied_after(monkeypatch):
     monkeypatch.setattr(_residual, "current_graph_task_id", None)
     copied = _copies_after_the_backward(monkeypatch)
     grads = jax.jit(jax.grad(torchjax.to_jax(_wide_loss)))(WIDE, X_WIDE)
-    assert len(copied) == 2
+    assert (256,) in copied and (256, 256) in copied
     assert np.abs(np.asarray(grads["w"])).max() > 0
 
 

@@ -856,16 +856,17 @@ class RecordedForward(_Derivative):
             exit_derived_call()
 
     def _call(self, primals: tuple) -> tuple:
+        into = OUTPUT_BUFFERS.take()  # XLA's buffers for the outputs, under jit
         tensors = [x for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)]
         device = tensors[0].device if tensors else default_torch_device()
         state = rng_state(device).to(device)
         g, x = self._restricted(primals)
-        handle = 0
+        graph = None
         # A derivative (grad of grad) is differentiated again by torch.func, which does
         # not take saved-tensor hooks: only the user's own function keeps its graph.
         if self.keep_graph and outermost(primals) and not self.inner.grad_mode:
             try:
-                masked, rest, handle = self._keep_graph(g, x, tensors)
+                masked, rest, graph = self._keep_graph(g, x, tensors)
             except RuntimeError as e:
                 if not refuses_saved_tensor_hooks(e):
                     raise
@@ -876,6 +877,12 @@ class RecordedForward(_Derivative):
             masked, rest = g(*x)
         done, others = iter(masked), iter(rest)
         outs = [next(done) if m else next(others) for m in self.out_mask]
+        del masked, rest, done, others  # (the outputs' references: see write_outputs)
+        handle = 0
+        if graph is not None:
+            if into is not None:
+                graph.write_outputs(outs, into)
+            handle = GRAPHS.put(graph)
         return (*outs, torch.tensor(handle, dtype=torch.int32, device=device), state)
 
     def _keep_graph(self, g: Any, x: list, tensors: list) -> tuple:
@@ -885,14 +892,14 @@ class RecordedForward(_Derivative):
             graph.leaves = on_tape(x)
             masked, rest = g(*graph.leaves)
         if not any(o.requires_grad for o in masked):
-            return masked, rest, 0
+            return masked, rest, None
         # What the forward left held (a module copy with this call's tensors) is the
         # graph's now: its backward may read it again (checkpointing, adjoint solvers).
         graph.keep_held(take_held(mark), tensors)
         graph.let_go_of_inputs(tensors, [*masked, *rest])
         found = iter(masked)
         graph.outputs = [next(found) if m else None for m in self.out_mask]
-        return masked, rest, GRAPHS.put(graph)
+        return masked, rest, graph
 
     def out_types(self, options: Options, *primals: Any) -> tuple:
         out = torch_call_p.abstract_eval(*primals, fn=self.inner, options=options)

@@ -151,6 +151,26 @@ class KeptGraph:
                 self.release_held()
                 self.inputs = self.outputs = self.leaves = []
 
+    def write_outputs(self, outs: list, into: list) -> None:
+        """Under jit: each output on the graph copied into XLA's buffer for it (`into`,
+        aligned with `outs`), which takes its place in `outs`, so that the lowering copies
+        it no more. The backward needs only an output's grad_fn and shape, not its values:
+        one that nothing else holds (no cache, no view of it, not returned twice) keeps a
+        stride-0 zero in place of its memory, which is freed now instead of at the
+        backward (GPT-2's 51 MB of logits would exist twice until then)."""
+        for j in range(len(outs)):  # not enumerate: its reused tuple holds the output
+            o, dst = outs[j], into[j]
+            if not isinstance(o, torch.Tensor) or self.outputs[j] is not o or o.grad_fn is None:
+                continue  # not on the graph
+            if dst.shape != o.shape or dst.dtype is not o.dtype or o.layout != torch.strided:
+                continue  # narrowed (x64 off) or converted: the lowering's checked write
+            dst.copy_(o)
+            outs[j] = dst
+            # References: self.outputs, `o`, getrefcount's argument.
+            if _getrefcount(o) == 3 and tensor_use_count(o) == 1 and not is_view(o):
+                o.data = o.new_zeros(()).expand(o.shape)
+            o = None
+
     def release_held(self) -> None:
         held, self.held = self.held, []
         for h in held:

@@ -36,7 +36,7 @@ from torchjax._convert import (
 )
 from torchjax._to_jax._batched_tape import BatchedTapedVjp
 from torchjax._to_jax._call_plan import CallPlan, plan_for, plan_parts
-from torchjax._to_jax._callables import VjpFunction
+from torchjax._to_jax._callables import RecordedForward, VjpFunction
 from torchjax._to_jax._cuda import on_xla_stream
 from torchjax._to_jax._guard import copy_kept_inputs, refuse_writes
 from torchjax._to_jax._outputs import as_jax_tree
@@ -316,7 +316,7 @@ def _run_sharing_outputs(run: Run, tensors: list, outs: Sequence, out_paths: Seq
     finally:
         OUTPUT_BUFFERS.buffers = None
     for dst, value, where in zip(dsts, results, out_paths, strict=True):
-        if value is not dst:
+        if not _is_buffer(value, dst):
             write_output(dst, value, where)
     results = value = dst = dsts = None
     for t in tensors:  # as in the inlined CPU path: copy only where an input is kept
@@ -324,6 +324,18 @@ def _run_sharing_outputs(run: Run, tensors: list, outs: Sequence, out_paths: Seq
             del t
             copy_kept_inputs(tensors)
             break
+
+
+def _is_buffer(value: Any, dst: torch.Tensor) -> bool:
+    """Whether `value` is XLA's buffer `dst` itself (or a plain alias of it: the plan's
+    checks may detach an output), so that it holds the output already."""
+    return (
+        type(value) is _Tensor
+        and value.const_data_ptr() == dst.const_data_ptr()
+        and value.dtype is dst.dtype
+        and value.shape == dst.shape
+        and value.stride() == dst.stride()
+    )
 
 
 def _write_all(results: Sequence, outs: Sequence, out_paths: Sequence[str], wrap) -> None:
@@ -353,8 +365,10 @@ def lowering(*args: Any, fn: Any, options: Any, signature: Any) -> Any:
     del options
     operands, *parts = plan_parts(args, signature.out_types)
     plan = plan_for(fn, *parts)
-    share = (type(fn) is VjpFunction and fn.with_residuals and not fn.ct_batch) or (
-        type(fn) is BatchedTapedVjp
+    share = (
+        (type(fn) is VjpFunction and fn.with_residuals and not fn.ct_batch)
+        or type(fn) is BatchedTapedVjp
+        or (type(fn) is RecordedForward and fn.keep_graph)  # writes its outputs there
     )
     outs = callback_call(plan.run, operands, plan.structs, plan.out_paths, share, plan)
     return jax.tree_util.tree_unflatten(plan.out_tree, outs)
