@@ -80,6 +80,28 @@ def test_int64_output_out_of_int32_range_raises_when_x64_is_off():
             jax.block_until_ready(jax.jit(f)(jnp.ones(3, jnp.int32)))
 
 
+@pytest.mark.parametrize("x64", [False, True])
+def test_numpy_inputs_take_the_dtype_jax_gives_them(x64):
+    """A float64/int64 numpy array with x64 off is float32/int32 to JAX (jnp.asarray, jit):
+    torch computes with it so eagerly too, under vmap and jvp as well, as jax.numpy does."""
+    seen = []
+    f = torchjax.to_jax(lambda a: (seen.append(a.dtype), (a + 1e-9) - a)[1])
+    g = torchjax.to_jax(lambda i: (i * 3) // 4)
+    with jax.enable_x64(x64):
+        a, i = np.array([1.0, 2.0]), np.array([2**30, 7], dtype=np.int64)
+        want_f = (jnp.asarray(a) + 1e-9) - jnp.asarray(a)  # 0 in float32, 1e-9 in float64
+        want_g = (jnp.asarray(i) * 3) // 4  # wraps around in int32
+        for call in (lambda h: h, jax.jit):
+            np.testing.assert_array_equal(call(f)(a), want_f)
+            np.testing.assert_array_equal(call(g)(i), want_g)
+        assert set(seen) == {torch.float64 if x64 else torch.float32}
+        rows = np.ones((2, 2))
+        want_rows = jax.vmap(lambda r: (r + 1e-9) - r)(rows)
+        np.testing.assert_array_equal(jax.vmap(f)(rows), want_rows)
+        np.testing.assert_array_equal(jax.jvp(f, (a,), (np.ones(2),))[0], want_f)
+        assert set(seen) == {torch.float64 if x64 else torch.float32}
+
+
 ARITH = [torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64]
 shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
 

@@ -18,8 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from torchjax._compat._jax import (
+    HOST_ARRAY_TYPES,
     ad,
     at_top_level,
     batching,
@@ -48,6 +50,7 @@ from torchjax._primitive._params import (
 )
 
 _tree = jax.tree_util
+canonicalize_dtype = jax.dtypes.canonicalize_dtype
 
 # Output types depend on JAX's x64 mode (a float64 result is float32 while it is off), so
 # it is part of every signature cache key; read on every call, as the state object.
@@ -216,6 +219,10 @@ class PytreePrimitive:
         statics = []
         for leaf in leaves:
             if isinstance(leaf, OPERAND_TYPES):
+                if type(leaf) in HOST_ARRAY_TYPES and leaf.dtype != canonicalize_dtype(leaf.dtype):
+                    # A numpy array of a dtype JAX narrows (float64 with x64 off) becomes
+                    # the array JAX makes of it, eagerly as under jit, which converts it so.
+                    leaf = jnp.asarray(leaf)
                 operands.append(leaf)
                 statics.append(ARRAY)
             else:
