@@ -257,6 +257,43 @@ def legacy_vmap_level() -> int:
     return level - 1
 
 
+# torch.autocast's state on this thread, which a call takes where it is traced (eagerly:
+# called) and runs its torch code in (_callables.UserFunction, _rule_lowering.py).
+_any_autocast = private("torch._C._is_any_autocast_enabled", fallback="autocast read per device")
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _any_autocast_by_device() -> bool:
+    return any(torch.is_autocast_enabled(d) for d in AUTOCAST_DEVICES)
+
+
+any_autocast = _any_autocast_by_device if _any_autocast is ABSENT else _any_autocast
+
+
+def autocast_state() -> tuple:
+    """``((device_type, dtype), ...)`` for each device type autocast is on for here, with
+    its cache flag last; () where it is off for all (one C call: the common case)."""
+    if not any_autocast():
+        return ()
+    on = tuple((d, torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES)
+    on = tuple((d, dtype) for d, dtype in on if torch.is_autocast_enabled(d))
+    return (*on, torch.is_autocast_cache_enabled()) if on else ()
+
+
+@contextlib.contextmanager
+def autocast_as(state: tuple) -> Any:
+    """Run with autocast exactly as `state` says (autocast_state's form): on for its
+    devices, off for every other one on which it is on here."""
+    with contextlib.ExitStack() as stack:
+        wanted = dict(state[:-1]) if state else {}
+        for d in AUTOCAST_DEVICES:
+            if d not in wanted and torch.is_autocast_enabled(d):
+                stack.enter_context(torch.autocast(d, enabled=False))
+        for d, dtype in wanted.items():
+            stack.enter_context(torch.autocast(d, dtype=dtype, cache_enabled=state[-1]))
+        yield
+
+
 # Whether a tensor is batched at the innermost vmap level, from inside the vmapped function:
 # which outputs of a batched call stay unbatched (jax.vmap's out_axes=None, _callables.py).
 # A wrapper's level says which transform made it; one from an outer level is not batched

@@ -74,6 +74,7 @@ from torchjax._errors import (
     VmapError,
 )
 from torchjax._primitive._params import store
+from torchjax._to_jax._autocast import InAutocast
 from torchjax._to_jax._autograd import (
     AUTODIFF_HINT,
     AUTOGRAD_HINT,
@@ -139,6 +140,12 @@ class UserFunction:
     # generator its inputs do not seed (then jax.checkpoint saves its outputs rather than
     # recompute them with other draws: _rule_partial_eval.py).
     facts: dict = dataclasses.field(default_factory=dict, repr=False)
+    # torch.autocast's state where the call was made or traced (_compat's autocast_state),
+    # which torch runs fn in: a call traced in autocast runs in it, one traced outside runs
+    # outside, whatever the state where the compiled function runs. to_jax's wrapper binds
+    # one UserFunction per state it meets (`variant`).
+    autocast: tuple = ()
+    variants: dict = dataclasses.field(default_factory=dict, repr=False)
 
     # Torch runs it with grad mode off: JAX does the differentiating, and a graph recorded
     # for closed-over parameters that require grad would only cost time and memory.
@@ -146,7 +153,16 @@ class UserFunction:
 
     def __reduce__(self) -> Any:
         # Pickled (to another process) without this process's caches.
-        return (UserFunction, (self.fn, self.result_shape_dtypes))
+        return (_user_function, (self.fn, self.result_shape_dtypes, self.autocast))
+
+    def variant(self, autocast: tuple) -> UserFunction:
+        """This function as called in autocast state `autocast` (kept: jit caches hit)."""
+        found = self.variants.get(autocast)
+        if found is None:
+            fn = InAutocast(self.fn, autocast)
+            found = UserFunction(fn, self.result_shape_dtypes, autocast=autocast)
+            self.variants[autocast] = found
+        return found
 
     @property
     def name(self) -> str:
@@ -236,6 +252,10 @@ class UserFunction:
         (`in_tree`: the failed call's argument structure, where the caller knows it.)"""
         del in_tree
         return _theirs(error, self.name)
+
+
+def _user_function(fn: Any, result_shape_dtypes: Any, autocast: tuple) -> UserFunction:
+    return UserFunction(fn, result_shape_dtypes, autocast=autocast)
 
 
 UNBATCHED_CHANGED = """\

@@ -26,6 +26,7 @@ from torchjax._compat._torch import (
 )
 from torchjax._convert import canonical_jax_dtype, torch_dtype
 from torchjax._errors import ConversionError, OutputMismatchError
+from torchjax._to_jax._autocast import InAutocast
 from torchjax._to_jax._fake_isolation import FakeRunState
 from torchjax._to_jax._guard import WriteGuard, check_versions
 
@@ -129,6 +130,8 @@ def fake_target(fn: Any) -> Any:
     torch.compile's own frames cannot run under a FakeTensorMode of ours (it crashes or
     mixes devices), but the code it compiled computes the same types.
     """
+    if type(fn) is InAutocast:  # the original, in the same autocast state
+        return InAutocast(fake_target(fn.fn), fn.state)
     orig = compiled_function_original(fn)
     return fn if orig is None else orig
 

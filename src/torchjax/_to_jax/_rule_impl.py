@@ -26,6 +26,8 @@ from torchjax._compat._jax import (
     uncommitted,
 )
 from torchjax._compat._torch import (
+    any_autocast,
+    autocast_as,
     cpu_array_from_tensor,
     is_fake,
     is_view,
@@ -297,7 +299,7 @@ def impl(operands: tuple, *, in_tree: Any, statics: tuple, signature: Any, param
 
     The plan checks every output's shape and dtype, so the flat outputs need no re-check.
     """
-    if fake_runs.depth or torch.is_inference_mode_enabled():
+    if fake_runs.depth or torch.is_inference_mode_enabled() or any_autocast():
         return _impl_in_plain_mode(operands, in_tree, statics, signature, params)
     plan = _eagerplan_for(in_tree, statics, signature, params)
     device = None
@@ -347,8 +349,9 @@ def _impl_in_plain_mode(operands, in_tree, statics, signature, params) -> list:
     """The eager impl outside torch's inference mode (whose tensors have no version counter
     for the in-place check; the outputs are ordinary arrays either way) and outside an
     enclosing fake run (a wrapped function calling another one while its types are found:
-    the inner call has real data and runs for real)."""
-    with real_mode(), torch.inference_mode(False):
+    the inner call has real data and runs for real), and with autocast off (a function
+    called in autocast runs its own state: _autocast.py)."""
+    with real_mode(), torch.inference_mode(False), autocast_as(()):
         depth, fake_runs.depth = fake_runs.depth, 0
         try:
             return impl(
@@ -368,8 +371,8 @@ def real_run(operands: list, in_tree: Any, statics: tuple, params: tuple, memo: 
     falling back to the untyped path where outputs differ (their shapes may depend on the
     values). A failure of the run is fn's own.
     """
-    if fake_runs.depth or torch.is_inference_mode_enabled():
-        with real_mode(), torch.inference_mode(False):
+    if fake_runs.depth or torch.is_inference_mode_enabled() or any_autocast():
+        with real_mode(), torch.inference_mode(False), autocast_as(()):
             depth, fake_runs.depth = fake_runs.depth, 0
             try:
                 return real_run(operands, in_tree, statics, params, memo)

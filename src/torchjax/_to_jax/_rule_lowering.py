@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 from torchjax._compat._torch import (
+    any_autocast,
+    autocast_as,
     set_grad_enabled,
     tensor_from_capsule,
     tensor_use_count,
@@ -106,7 +108,7 @@ def callback_call(
 
     def host(ctx: Any, outs: list, *ins: Any) -> None:
         try:
-            if on_cpu and not share_outputs and not _inference_mode():
+            if on_cpu and not share_outputs and not _inference_mode() and not any_autocast():
                 # The CPU path, inlined: this runs on every call of a jitted function.
                 tensors = [tensor_from_capsule(b.__dlpack__()) for b in ins]
                 results = run(tensors)
@@ -148,6 +150,11 @@ def callback_call(
             # its tensors would have no version counters, which the in-place check reads.
             with torch.inference_mode(False):
                 return host(ctx, outs, *ins)
+        if any_autocast():
+            # Likewise in torch.autocast: the function runs in the state it was traced in
+            # (_autocast.py), not in the one where the compiled function runs.
+            with autocast_as(()):
+                return host(ctx, outs, *ins)
         if on_cpu is None:
             on_cpu = (ins or outs)[0].__dlpack_device__()[0] == _DL_CPU
             if on_cpu and not share_outputs:
@@ -177,7 +184,7 @@ def _plain_host(plan: CallPlan, host: Callable) -> Callable:
 
     def plain_host(ctx: Any, outs: list, *ins: Any) -> None:
         nonlocal on_cpu
-        if not on_cpu or not plan.plain or _inference_mode():
+        if not on_cpu or not plan.plain or _inference_mode() or any_autocast():
             on_cpu = on_cpu or (ins or outs)[0].__dlpack_device__()[0] == _DL_CPU
             return host(ctx, outs, *ins)
         try:
@@ -216,7 +223,7 @@ def _plain_host_one(plan: CallPlan, host: Callable) -> Callable:
 
     def plain_host(ctx: Any, outs: list, *ins: Any) -> None:
         nonlocal on_cpu
-        if not on_cpu or not plan.plain or _inference_mode():
+        if not on_cpu or not plan.plain or _inference_mode() or any_autocast():
             on_cpu = on_cpu or (ins or outs)[0].__dlpack_device__()[0] == _DL_CPU
             return host(ctx, outs, *ins)
         try:

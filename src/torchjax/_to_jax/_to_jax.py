@@ -12,6 +12,7 @@ from typing import Any, overload
 import jax
 
 from torchjax._compat._jax import traceback_boundary
+from torchjax._compat._torch import any_autocast, autocast_state
 from torchjax._convert import is_array
 from torchjax._errors import ArgumentError, StaticArgumentError
 from torchjax._to_jax._callables import UserFunction
@@ -123,13 +124,18 @@ def to_jax(
     @functools.wraps(fn)
     @traceback_boundary  # an error's traceback starts at the user's call
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        hot = params.hot  # the last eager signature's shortcut (see HotCall)
-        if hot is not None and not kwargs:
-            out = hot.call(args)
-            if out is not MISS:
-                return out
+        bound = params
+        if any_autocast():  # a call in torch.autocast: the variant that runs in it
+            variant = user.variant(autocast_state())
+            bound = torch_call_p._bound_params({"fn": variant, "options": options})
+        else:
+            hot = params.hot  # the last eager signature's shortcut (see HotCall)
+            if hot is not None and not kwargs:
+                out = hot.call(args)
+                if out is not MISS:
+                    return out
         try:
-            return torch_call_p._bind((args, kwargs), params)
+            return torch_call_p._bind((args, kwargs), bound)
         except StaticArgumentError:
             # bind names paths in its own (args, kwargs) pair; name them as the user wrote.
             _raise_unhashable(user, args, kwargs)
@@ -147,3 +153,6 @@ def _forget(user_ref: weakref.ref) -> None:
     user = user_ref()
     if user is not None:
         user.bound_params.clear()
+        for variant in user.variants.values():
+            variant.bound_params.clear()
+        user.variants.clear()
