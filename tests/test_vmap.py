@@ -526,3 +526,40 @@ def test_vmap_without_torch_func_wrapper_matches_torch_func_vmap(monkeypatch, fa
         jax.vmap(jax.grad(loss(f), argnums=1), in_axes=(0, None))(xs, w),
         jax.vmap(jax.grad(loss(fj), argnums=1), in_axes=(0, None))(xs, w),
     )
+
+
+# -- an empty batch ----------------------------------------------------------------------
+# torch.func.vmap fails on many ops with no example to run (x[0], select); jax.vmap gives
+# empty outputs, and derivatives that sum over no example. Reference: the same in jax.numpy.
+
+
+def _pair_torch(x, w):  # x: [3] batched, w: [3, 2] unbatched
+    return {"batched": x[0] * w + x.sum(), "unbatched": torch.tanh(w)}
+
+
+def _pair_jax(x, w):
+    return {"batched": x[0] * w + x.sum(), "unbatched": jnp.tanh(w)}
+
+
+@pytest.mark.parametrize("vmap_method", ["torch.func", "sequential"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_an_empty_batch_gives_empty_outputs_and_derivatives(vmap_method, jit):
+    f = torchjax.to_jax(_pair_torch, vmap_method=vmap_method)
+    x, w = jnp.zeros((0, 3)), jnp.linspace(-1.0, 1.0, 6).reshape(3, 2)
+    wrap = jax.jit if jit else (lambda g: g)
+    for fn in (f, _pair_jax):
+        assert jax.vmap(fn, in_axes=(0, None))(x, w)["batched"].shape == (0, 3, 2)
+    got = wrap(jax.vmap(f, in_axes=(0, None)))(x, w)
+    tree_close(got, jax.vmap(_pair_jax, in_axes=(0, None))(x, w))
+
+    def loss(fn):
+        def total(x, w):
+            out = jax.vmap(fn, in_axes=(0, None))(x, w)
+            return out["batched"].sum() + (out["unbatched"] ** 2).sum()
+
+        return total
+
+    grads = wrap(jax.grad(loss(f), argnums=(0, 1)))(x, w)
+    tree_close(grads, jax.grad(loss(_pair_jax), argnums=(0, 1))(x, w))
+    tangent = wrap(lambda x, w: jax.jvp(loss(f), (x, w), (x, jnp.ones_like(w)))[1])(x, w)
+    tree_close(tangent, jax.jvp(loss(_pair_jax), (x, w), (x, jnp.ones_like(w)))[1])

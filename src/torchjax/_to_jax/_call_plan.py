@@ -137,6 +137,14 @@ class CallPlan:
         # Set once a derived call failed because the function runs torch.autograd itself,
         # which torch.func cannot transform: then it is differentiated by torch.autograd.
         self.autograd_inside = False
+        # A vmapped call over an empty batch (every output empty) computes nothing: its
+        # outputs are made, not computed (torch.func.vmap fails on many ops with no
+        # example to run; under jit XLA gives empty outputs as well).
+        self.empty_batch = (
+            getattr(fn, "maps_a_batch", False)
+            and bool(structs)
+            and all(0 in s.shape for s in structs)
+        )
 
     def invoke(self, tensors: list[torch.Tensor]) -> Any:
         """fn on `tensors`, as it returns; raises as __call__ does, before any output check.
@@ -148,6 +156,10 @@ class CallPlan:
         the function runs torch.autograd itself runs again, and from then on, with
         torch.autograd's derivatives and a loop over the batch (autograd_inside).
         """
+        if self.empty_batch:
+            device = tensors[0].device if tensors else None
+            empty = [torch.empty(s, dtype=d, device=device) for s, d in self._out_types()]
+            return _tree.tree_unflatten(self.out_tree, empty)
         if self.autograd_inside:
             _autograd.depth += 1
             try:
@@ -182,6 +194,9 @@ class CallPlan:
         if any(map(_version, tensors)):
             self.raise_mutated(tensors)
         return out
+
+    def _out_types(self) -> list[tuple]:
+        return list(zip(self.out_shapes, self.out_dtypes, strict=True))
 
     def refused(self, error: Exception, tensors: list[torch.Tensor]) -> bool:
         """True where fn's `error` is the guard refusing a write (fn then runs on copies,

@@ -258,6 +258,10 @@ def _user_function(fn: Any, result_shape_dtypes: Any, autocast: tuple) -> UserFu
     return UserFunction(fn, result_shape_dtypes, autocast=autocast)
 
 
+EMPTY_BATCH_NOTE = """\
+(jax.vmap over an empty batch: torchjax ran {name} on one example of zeros, batched, to
+compute the call's outputs and derivatives, and that run failed.)"""
+
 UNBATCHED_CHANGED = """\
 {name}, batched by torch.func.vmap, batched its output {j} (in flattening order) that the
 run that found which outputs depend on the batched inputs (on fake tensors, when the call
@@ -458,6 +462,8 @@ class BatchedFunction(DerivedFunction):
     per_example: bool = False
     out_dims: tuple | None = None
 
+    maps_a_batch = True  # over an empty batch, nothing to compute (CallPlan.empty_batch)
+
     def with_out_dims(self, args: tuple) -> BatchedFunction:
         """This call, with the outputs that depend on no batched input left unbatched.
 
@@ -503,6 +509,9 @@ class BatchedFunction(DerivedFunction):
     def __call__(self, *args: Any) -> Any:
         leaves, tree = _tree.tree_flatten(args)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        mapped = [(i, d) for i, d in zip(positions, self.in_dims, strict=True) if d is not None]
+        if mapped and leaves[mapped[0][0]].shape[mapped[0][1]] == 0:
+            return self._empty_batch(leaves, tree, mapped)
         if self.per_example or autograd_inside():  # autograd cannot run under torch.func.vmap
             return self._loop(leaves, tree, positions)
         try:
@@ -523,6 +532,26 @@ class BatchedFunction(DerivedFunction):
             # error): the function's own failure if one example alone fails too.
             self._one_example(leaves, tree, positions)
             raise VmapError(self._hint(e)) from e
+
+    def _empty_batch(self, leaves: list, tree: Any, mapped: list) -> Any:
+        """An empty batch, which torch.func.vmap cannot run many ops over (no example to
+        select): one example of zeros appended, and the batched outputs cut back to none.
+        Exact, derivatives too: the example's outputs are cut off, so nothing flows back
+        to it (a gradient of an unbatched input sums over no example, as JAX's does), and
+        an output that stays unbatched depends on no batched input."""
+        padded = list(leaves)
+        for i, d in mapped:
+            x = leaves[i]
+            padded[i] = torch.cat([x, x.new_zeros((*x.shape[:d], 1, *x.shape[d + 1 :]))], d)
+        try:
+            out = self(*_tree.tree_unflatten(tree, padded))
+        except Exception as e:
+            e.add_note(EMPTY_BATCH_NOTE.format(name=self.root.name))
+            raise
+        outs, out_tree = _tree.tree_flatten(out)
+        dims = self.out_dims or (0,) * len(outs)
+        cut = [o if d is None else o[:0] for o, d in zip(outs, dims, strict=True)]
+        return _tree.tree_unflatten(out_tree, cut)
 
     def _one_example(self, leaves: list, tree: Any, positions: list) -> None:
         new = list(leaves)
