@@ -132,6 +132,46 @@ def test_a_forward_writing_its_own_parameter_gets_the_parameter_advice():
     tree_close(got, with_max_norm(ids), rtol=1e-6)
 
 
+def _padded_encoder(nested: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval()
+
+    class Padded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = encoder
+
+        def forward(self, x, mask):
+            return self.encoder(x, src_key_padding_mask=mask)
+
+    return Padded()
+
+
+def test_the_nested_tensor_fast_path_names_its_fix():
+    x = torch.linspace(-1.0, 1.0, 80).reshape(2, 5, 8)
+    mask = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    apply, variables = torchjax.module_to_jax(_padded_encoder(nested=True))
+    with pytest.raises(ShapeInferenceError) as info:
+        jax.jit(apply)(variables, jnp.asarray(x.numpy()), jnp.asarray(mask.numpy()))
+    text = str(info.value)
+    assert "stopped in TransformerEncoder.forward" in text  # where
+    assert "enable_nested_tensor=False" in text  # the fix
+    assert "module_to_jax(module, result_shape_dtypes=" in text  # the other, as spelt here
+    model = _padded_encoder(nested=False)  # what it advises
+    apply, variables = torchjax.module_to_jax(model)
+    got = jax.jit(apply)(variables, jnp.asarray(x.numpy()), jnp.asarray(mask.numpy()))
+    with torch.no_grad():
+        tree_close(got, model(x, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_a_value_read_in_a_submodule_names_the_submodule():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3, momentum=None))
+    apply, variables = torchjax.module_to_jax(model)  # momentum=None reads a counter's value
+    with pytest.raises(ShapeInferenceError, match=r"stopped in BatchNorm1d\.forward \(batchnorm"):
+        jax.jit(apply)(variables, jnp.ones((4, 3)))
+
+
 def test_scripted_submodule_is_refused_naming_it():
     class Outer(torch.nn.Module):
         def __init__(self):

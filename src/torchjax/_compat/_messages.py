@@ -37,7 +37,14 @@ FAKE_LIMIT_PHRASES = (
     "not supported for tensor subclasses",  # .numpy(), np.asarray() of a fake tensor
     "not available for 'meta' device type",  # a fake tensor's storage read
     "no fake impl registered",  # a torch.library.custom_op without register_fake
+    NESTED_SIZES := "nestedtensorimpl doesn't support sizes",  # the nested fast path, faked
 )
+
+
+def is_nested_fast_path(error: BaseException) -> bool:
+    """A fake run through torch's nested-tensor fast path (nn.TransformerEncoder in eval
+    mode with a padding mask), which fake tensors cannot follow."""
+    return NESTED_SIZES in str(error).lower()
 
 
 def custom_op_without_fake_kernel(error: BaseException) -> str | None:

@@ -54,6 +54,7 @@ from torchjax._compat._messages import (
     custom_op_without_fake_kernel,
     is_autodiff_failure,
     is_fake_limit,
+    is_nested_fast_path,
     is_vmap_failure,
     lacks_batching_rule,
     lacks_forward_derivative,
@@ -245,7 +246,14 @@ class UserFunction:
         ]
         if flags:
             text += TRACED_FLAG_HINT.format(flags=", ".join(flags))
-        return text + FAKE_LIMIT_HINT
+        where = _module_frame(error)
+        if where:
+            text += f"The fake run stopped in {where}.\n"
+        if is_nested_fast_path(error):
+            text += NESTED_HINT
+        module = getattr(self.fn, "describe_path", None) is not None  # module_to_jax's
+        declare = "module_to_jax(module, " if module else "to_jax(fn, "
+        return text + FAKE_LIMIT_HINT.replace("to_jax(fn, ", declare)
 
     def call_failure(self, error: Exception, in_tree: Any = None) -> Exception:
         """The user's own exception stays theirs: same type and message, with a note.
@@ -277,6 +285,27 @@ validation such as torch.distributions' validate_args), cannot be traced this wa
 calls run such a function for real; under jax.jit declare its outputs:
     to_jax(fn, result_shape_dtypes=jax.ShapeDtypeStruct(shape, dtype))
 or a callable mapping the input ShapeDtypeStructs to the outputs."""
+
+NESTED_HINT = """\
+torch's nested-tensor fast path (nn.TransformerEncoder in eval mode, given a padding mask)
+runs only on real tensors. Build the encoder with enable_nested_tensor=False, or:
+"""
+
+
+def _module_frame(error: BaseException) -> str:
+    """The innermost nn.Module method the error passed through, with its line
+    ("BatchNorm1d.forward (batchnorm.py:193)"), or ""."""
+    found, tb = "", error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module):
+            file = frame.f_code.co_filename.rsplit("/", 1)[-1]
+            name = f"{type(owner).__name__}.{frame.f_code.co_name}"
+            found = f"{name} ({file}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    return found
+
 
 TRACED_FLAG_HINT = """\
 {flags}: a boolean the function may branch on arrived as an array, because jax.jit traces
