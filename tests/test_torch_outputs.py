@@ -174,3 +174,32 @@ def test_a_python_float_that_overflows_float32_is_an_error(mode, x64_off):
     fine = torchjax.to_jax(lambda t: (t * 2, float("inf"), 3.5))  # inf stays inf
     out = fine(jnp.ones(2))
     assert out[1] == float("inf") and out[2] == 3.5
+
+
+def test_numpy_scalars_in_the_output_become_arrays_of_their_dtype():
+    """As JAX makes of a numpy scalar a jitted function returns (x64 off: int64 -> int32)."""
+
+    def torch_fn(a):
+        return a * 2, np.float32(0.5), np.int64(3), np.bool_(True), np.float64(0.25)
+
+    def jax_fn(a):
+        return a * 2, np.float32(0.5), np.int64(3), np.bool_(True), np.float64(0.25)
+
+    f, x = torchjax.to_jax(torch_fn), jnp.ones(2)
+    want = jax.jit(jax_fn)(x)
+    for got in (f(x), jax.jit(f)(x)):
+        assert [g.dtype for g in got] == [w.dtype for w in want]
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+    grad = jax.grad(lambda a: f(a)[0].sum() * f(a)[1])(x)
+    np.testing.assert_array_equal(grad, np.ones(2))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")  # torch's own
+def test_a_nested_tensor_output_names_its_path_and_the_fix():
+    f = torchjax.to_jax(lambda a: {"parts": torch.nested.nested_tensor([a, a[:1]])})
+    with pytest.raises(
+        torchjax.errors.ConversionError,
+        match=r"(?s)out\['parts'\] is a nested tensor.*unbind\(\).*to_padded_tensor",
+    ):
+        f(jnp.ones(2))

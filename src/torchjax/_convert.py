@@ -189,6 +189,12 @@ def several_devices(platform: str) -> bool:
 
 def check_has_data(t: Any, where: str) -> None:
     """Raise ConversionError naming `where` for a tensor with no dense data to hand over."""
+    if isinstance(t, torch.Tensor) and t.is_nested:
+        raise ConversionError(
+            f"{where} is a nested tensor (torch.nested), whose components differ in shape: no "
+            f"JAX array holds it. Return its components, t.unbind(), or a padded tensor, "
+            f"t.to_padded_tensor(0.0)."
+        )
     if isinstance(t, torch.Tensor) and (t.is_meta or is_fake(t) or t.layout != torch.strided):
         kind = "meta" if t.is_meta else "fake" if is_fake(t) else str(t.layout)
         fix = "call .to_dense() first" if t.layout != torch.strided else "use tensors with data"

@@ -24,7 +24,7 @@ from torchjax._compat._torch import (
     tensor_version,
     unset_fake_temporarily,
 )
-from torchjax._convert import canonical_jax_dtype, torch_dtype
+from torchjax._convert import canonical_jax_dtype, check_has_data, torch_dtype
 from torchjax._errors import ConversionError, OutputMismatchError
 from torchjax._to_jax._autocast import InAutocast
 from torchjax._to_jax._fake_isolation import FakeRunState
@@ -86,6 +86,8 @@ def _path_of(path: tuple) -> str:
 def output_struct(path: tuple, leaf: Any, name: str) -> jax.ShapeDtypeStruct:
     """The JAX type of one output leaf of a torch function (tensor or Python number)."""
     if isinstance(leaf, torch.Tensor):
+        if leaf.is_nested:  # (it has no shape to read)
+            check_has_data(leaf, f"out{_tree.keystr(path)}")
         return jax.ShapeDtypeStruct(tuple(leaf.shape), canonical_jax_dtype(leaf.dtype))
     if isinstance(leaf, bool | int | float | complex):
         dtype = jax.dtypes.canonicalize_dtype(np.result_type(type(leaf)))

@@ -8,7 +8,8 @@
 # real calls produce: a structseq becomes a namedtuple with its field names, a dict-like
 # becomes an OutputDict of its non-None entries (a dict that also reads `out.logits`, as
 # ModelOutput does), any other torch node a tuple of its children.
-# Leaves that are neither tensors nor numbers are left alone: the output checks name them.
+# A numpy scalar becomes a 0-d tensor of its dtype. Leaves that are neither tensors nor
+# numbers are left alone: the output checks name them.
 from __future__ import annotations
 
 import collections
@@ -16,6 +17,7 @@ import functools
 from typing import Any
 
 import jax
+import numpy as np
 import torch
 
 from torchjax._compat._torch import is_structseq_class, torch_pytree
@@ -72,6 +74,10 @@ def _convert(x: Any) -> Any:
     t = type(x)
     if t is torch.Tensor or x is None or t in (bool, int, float, complex, str):
         return x
+    if isinstance(x, np.bool_ | np.number):
+        # A numpy scalar (np.float32(0.5), an element of a numpy array): a 0-d array of its
+        # dtype, as JAX makes of one returned from a jitted function.
+        return torch.from_numpy(np.array(x))
     if t is tuple or t is list:
         return t(_convert(v) for v in x)
     if t is dict:
