@@ -21,11 +21,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import tree_close
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
 import torchjax
-from torchjax.errors import ConversionError, ShapeInferenceError, StateWarning, VmapError
+from torchjax.errors import (
+    ConversionError,
+    ShapeInferenceError,
+    StateWarning,
+    VariablesError,
+    VmapError,
+)
 
 pytestmark = pytest.mark.core  # the version matrix runs this module
 
@@ -556,3 +563,42 @@ def test_random_module_under_vmap_is_refused_by_default(which):
         jax.vmap(f)(xs)
     chosen, v = torchjax.module_to_jax(Noisy(), vmap_randomness="different")
     assert jax.vmap(lambda x: chosen(v, x))(xs).shape == (4, 3)
+
+
+class _GrowingMask(torch.nn.Module):
+    """A causal mask cached as a buffer and registered again, larger, when a longer input
+    comes (as attention layers grow their mask or rotary caches on demand)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(4, 12)
+        self.register_buffer("mask", torch.ones(2, 2, dtype=torch.bool).tril(), persistent=False)
+
+    def forward(self, x):  # x: [T, 4]
+        T = x.shape[0]
+        if T > self.mask.shape[0]:
+            self.register_buffer(
+                "mask", torch.ones(T, T, dtype=torch.bool).tril(), persistent=False
+            )
+        q, k, v = self.qkv(x).chunk(3, -1)
+        scores = (q @ k.T).masked_fill(~self.mask[:T, :T], float("-inf"))
+        return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_buffer_the_forward_grows_is_taken_back_at_its_new_shape(jit):
+    module, reference = _GrowingMask(), _GrowingMask()
+    apply, variables = torchjax.module_to_jax(module)
+    call = jax.jit(apply, static_argnames="mutable") if jit else apply
+    params, buffers = variables["params"], variables["buffers"]
+    for length in (2, 3, 2, 5):
+        x = torch.linspace(-1.0, 1.0, 4 * length).reshape(length, 4)
+        out, buffers = call(
+            {"params": params, "buffers": buffers}, jnp.asarray(x.numpy()), mutable=True
+        )
+        tree_close(out, reference(x).detach(), rtol=1e-6)
+        assert buffers["mask"].shape == tuple(reference.mask.shape)
+    wrong = {"params": params, "buffers": {"mask": jnp.ones((4, 4), bool)}}
+    with pytest.raises(VariablesError, match=r"expects \[2, 2\] \(or a shape a mutable=True"):
+        apply(wrong, jnp.ones((2, 4)))

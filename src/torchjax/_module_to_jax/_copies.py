@@ -232,6 +232,8 @@ class ModuleState:
             ) from e
         self.pool = CopyPool(template, compiled, param_names, buffer_names)
         self.warned: set[str] = set()
+        # Buffer name -> the other shapes mutable=True calls returned for it (see check).
+        self.grown: dict[str, set[tuple]] = {}
         # The parametrize.cached() keys of the module's parametrized tensors (see call).
         self.parametrized = [
             (id(m), name)
@@ -269,7 +271,7 @@ class ModuleState:
         try:
             out = c.runner(*args, **kwargs)
             if read_buffers:
-                out = (out, {name: c.slots[j][0][c.slots[j][1]] for name, j in self.buffer_reads})
+                out = (out, self._buffers_after(c))
             elif self.buffer_reads:
                 self._check_reassigned(c, values)
         except BaseException:
@@ -319,14 +321,26 @@ class ModuleState:
         c.install(values, self.training())
         out = module(*args, **kwargs)
         if read_buffers:
-            out = (out, {name: c.slots[j][0][c.slots[j][1]] for name, j in self.buffer_reads})
+            out = (out, self._buffers_after(c))
         return out
+
+    def _buffers_after(self, c: ModuleCopy) -> dict:
+        """The buffers as a call left them in copy `c`, for mutable=True. A buffer forward
+        registered again with another shape (a mask or rotary cache grown on demand) is
+        accepted at that shape in the calls that are given it back (`check`)."""
+        buffers = {name: c.slots[j][0][c.slots[j][1]] for name, j in self.buffer_reads}
+        for name, t in buffers.items():
+            shape = tuple(t.shape)
+            if shape != self.shapes["buffers"][name]:
+                self.grown.setdefault(name, set()).add(shape)
+        return buffers
 
     def check(self, module_name: str, params: Any, buffers: Any) -> None:
         """Raise VariablesError unless `params`/`buffers` have exactly the module's names
         and shapes. Their leaves need only ``.shape`` (tensors, fakes, ShapeDtypeStructs)."""
         for group, given in zip(GROUPS, (params, buffers), strict=True):
-            _check_group(module_name, group, given, self.shapes[group])
+            grown = self.grown if group == "buffers" else {}
+            _check_group(module_name, group, given, self.shapes[group], grown)
 
 
 class _OneUse:
@@ -342,7 +356,9 @@ class _OneUse:
         pass
 
 
-def _check_group(module_name: str, group: str, given: Any, expected: dict[str, tuple]) -> None:
+def _check_group(
+    module_name: str, group: str, given: Any, expected: dict[str, tuple], grown: dict
+) -> None:
     if not isinstance(given, Mapping):
         raise VariablesError(
             f"variables[{group!r}] must be a mapping of names to arrays (a dict, or a "
@@ -359,8 +375,13 @@ def _check_group(module_name: str, group: str, given: Any, expected: dict[str, t
         )
     for k, shape in expected.items():
         got = tuple(np.shape(given[k]))
-        if got != shape:
+        if got != shape and got not in grown.get(k, ()):
+            also = ""
+            if grown.get(k):
+                shapes = ", ".join(str(list(g)) for g in sorted(grown[k]))
+                also = f" (or a shape a mutable=True call returned for it: {shapes})"
             raise VariablesError(
                 f"variables[{group!r}][{k!r}] has shape {list(got)}, but {module_name} "
-                f"expects {list(shape)}."
+                f"expects {list(shape)}{also}. Pass the arrays module_to_jax returned, or "
+                f"those a mutable=True call returned for them."
             )
