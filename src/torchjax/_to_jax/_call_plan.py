@@ -134,6 +134,7 @@ class CallPlan:
         # Set once fn asked a protected input for a writable pointer without writing (a
         # reader such as .numpy() or a compiled kernel): then it runs on copies.
         self.on_copies = False
+        self.refused_at = ""  # where it asked (for the warning)
         # Set once a derived call failed because the function runs torch.autograd itself,
         # which torch.func cannot transform: then it is differentiated by torch.autograd.
         self.autograd_inside = False
@@ -205,6 +206,7 @@ class CallPlan:
             raise error
         if not is_write_refusal(error):
             self._raise_failure(error, tensors)
+        self.refused_at = _innermost_line(error)
         return True
 
     def _run(self, tensors: list[torch.Tensor]) -> Any:
@@ -265,7 +267,8 @@ class CallPlan:
                 raise inplace_error(self.name, self.input_path(k), _ON_COPY)
         if compare and not self.on_copies and self.fn.root not in _WARNED_COPIES:
             _WARNED_COPIES.add(self.fn.root)
-            warn(ON_COPIES.format(name=self.name), CopyWarning)
+            at = f", at {self.refused_at}" if self.refused_at else ""
+            warn(ON_COPIES.format(name=self.name, at=at), CopyWarning)
         self.on_copies = True
         self.plain = False
         return out
@@ -448,12 +451,30 @@ NUMBER_NOTE = (
 
 
 ON_COPIES = """\
-{name} asked one of its inputs for a writable pointer without writing to it (.numpy(),
+{name} asked one of its inputs for a writable pointer without writing to it{at} (.numpy(),
 data_ptr(), np.asarray(t), a compiled or extension kernel, a Triton launch). The in-place
 guard refuses writable pointers to the caller's arrays, so this call ran again on copies of
 its inputs, and later calls of this signature run on copies too: one copy per input per
-call. To stay zero-copy, read addresses with tensor.const_data_ptr() instead of data_ptr(),
-and copy explicitly what must become numpy (t.clone().numpy())."""
+call. In your own code, read addresses with tensor.const_data_ptr() instead of data_ptr(),
+and copy explicitly what must become numpy (t.clone().numpy()), to stay zero-copy. Where
+torch's own code asks (some kernels do: a bidirectional LSTM's, a weight_norm
+parametrization's, torch.compile'd code), nothing in yours can avoid the copies, and the
+warning may be silenced:
+    warnings.filterwarnings("ignore", category=torchjax.errors.CopyWarning)"""
+
+
+def _innermost_line(error: BaseException) -> str:
+    """The last Python line the error passed through ("rnn.py:1124 in forward"): where
+    the pointer was asked for, or the call into the kernel that asked."""
+    tb = error.__traceback__
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return f"{code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno} in {code.co_name}"
+
+
 _WARNED_COPIES: weakref.WeakSet = weakref.WeakSet()  # functions told once
 
 
