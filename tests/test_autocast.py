@@ -86,3 +86,14 @@ def test_module_to_jax_in_autocast():
         _close(jax.jit(apply)(variables, X), want)
     with torch.no_grad():
         _close(apply(variables, X), model(X_T))
+
+
+def test_a_compiled_function_in_autocast():
+    """Its fake run runs the original in the same state (torch.compile's frames cannot run
+    under a fake mode of ours), its real runs the compiled code in it."""
+    compiled = torch.compile(linear, backend="eager")
+    f = torchjax.to_jax(compiled)
+    with bf16():
+        want = linear(X_T)
+        _close(f(X), want)
+        _close(jax.jit(f)(X), want)

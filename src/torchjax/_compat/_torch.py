@@ -394,12 +394,17 @@ def compiled_context(compiled: torch.nn.Module) -> Any:
     return getattr(compiled, "dynamo_ctx", None)
 
 
+# The attributes by which torch.compile's function and module wrappers name their originals.
+COMPILED_ORIGINAL_ATTRS = ("_torchdynamo_orig_callable", "_orig_mod")
+
+
 def compiled_function_original(fn: Any) -> Any:
     """What torch.compile compiled: the original function or module, or None."""
-    orig = getattr(fn, "_torchdynamo_orig_callable", None)
+    function_attr, module_attr = COMPILED_ORIGINAL_ATTRS
+    orig = getattr(fn, function_attr, None)
     if orig is not None:
         return orig
-    mod = getattr(fn, "_orig_mod", None)
+    mod = getattr(fn, module_attr, None)
     return mod if isinstance(mod, torch.nn.Module) else None
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchjax._compat._torch import autocast_as
+from torchjax._compat._torch import COMPILED_ORIGINAL_ATTRS, autocast_as
 
 # Attributes of the user's function that torchjax reads and that must not bypass the state:
 # a flat form calls the module directly; a compiled function's original is fake-run bare.
-_HIDDEN = frozenset({"flat_form", "_torchdynamo_orig_callable", "_orig_mod"})
+_HIDDEN = frozenset({"flat_form", *COMPILED_ORIGINAL_ATTRS})
 
 
 class InAutocast:
