@@ -49,13 +49,18 @@ def fastest_callback(op, n):
 
 def checked_callback(op, n):
     """The jit floor with torchjax's invariants: fastest_callback plus, inlined, the checks
-    to_jax makes on every call (the input's storage refuses writes, grad mode off, no
-    version counter moved, the output's type, dtype and shape, and no reference to the
-    input kept past the call). What those checks cost is this row's ratio to the floor."""
+    to_jax makes on every call (neither inference mode nor torch.autocast on, the input's
+    storage refuses writes, grad mode off, no version counter moved, the output's type,
+    dtype and shape, and no reference to the input kept past the call). What those checks
+    cost is this row's ratio to the floor."""
     refuse, grad_on, set_grad = (
         torch._C._set_throw_on_mutable_data_ptr,
         torch.is_grad_enabled,
         torch._C._set_grad_enabled,
+    )
+    inference_mode, any_autocast = (
+        torch.is_inference_mode_enabled,
+        torch._C._is_any_autocast_enabled,
     )
     use_count, storage_uses, storage_id = (
         torch.Tensor._use_count,
@@ -65,6 +70,8 @@ def checked_callback(op, n):
     refs, shape = sys.getrefcount, (n,)
 
     def cb(ctx, outs, x):
+        if inference_mode() or any_autocast():
+            raise RuntimeError("a mode torchjax's callback sets aside: the full way")
         t = _from_capsule(x.__dlpack__())
         refuse(t)
         was_on = grad_on()
