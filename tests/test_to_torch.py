@@ -208,12 +208,38 @@ def test_int_inputs_and_outputs_are_not_differentiable():
 
 def test_backward_only_for_inputs_that_need_it(monkeypatch):
     wrts = []
-    original = _spec.Spec.vjp
-    monkeypatch.setattr(_spec.Spec, "vjp", lambda s, wrt: wrts.append(wrt) or original(s, wrt))
+    for derived in ("vjp", "keeping"):  # (keeping: the pullback plain autograd keeps)
+        original = getattr(_spec.Spec, derived)
+        spy = lambda s, wrt, original=original: wrts.append(wrt) or original(s, wrt)
+        monkeypatch.setattr(_spec.Spec, derived, spy)
     a, b = torch.randn(3, requires_grad=True), torch.randn(3)
     to_torch(lambda a, b: a * b)(a, b).sum().backward()
     assert wrts == [(0,)]
     close(a.grad, b.cpu().numpy())
+
+
+def test_plain_backward_runs_the_forward_once_and_can_run_twice():
+    """Under plain autograd the forward keeps JAX's pullback and the backward runs it: the
+    JAX function executes once per forward + backward (a double backward recomputes)."""
+    runs = []
+
+    def f(x, w):
+        jax.debug.callback(lambda: runs.append(1))
+        return jnp.sin(x) @ w
+
+    g = to_torch(f)
+    x = torch.linspace(-1, 1, 6).reshape(2, 3).requires_grad_()
+    w = torch.linspace(0, 1, 12).reshape(3, 4).requires_grad_()
+    out = g(x, w)
+    ct = torch.linspace(1, 2, 8).reshape(2, 4)
+    first = torch.autograd.grad(out, (x, w), ct, retain_graph=True)
+    second = torch.autograd.grad(out, (x, w), ct)  # the kept pullback, again
+    assert len(runs) == 1
+    xj, wj = jnp.asarray(x.detach().numpy()), jnp.asarray(w.detach().numpy())
+    want = jax.vjp(lambda x, w: jnp.sin(x) @ w, xj, wj)[1](jnp.asarray(ct.numpy()))
+    for got in (first, second):
+        for a, b in zip(got, want, strict=True):
+            close(a, b)
 
 
 def test_torch_func_grad_vjp_jacrev_hessian_match_jax():
@@ -342,6 +368,33 @@ def test_vectorized_jacobian_and_hessian_match_torch():
         for strategy in ("reverse-mode", "forward-mode"):
             got = hess(lambda x: g(x, y).sum(), x, vectorize=True, outer_jacobian_strategy=strategy)
             torch.testing.assert_close(got, hess(lambda x: tf(x, y).sum(), x))
+
+
+def test_vectorized_derivatives_with_create_graph_stay_on_the_graph():
+    """jacobian/hessian(vectorize=True, create_graph=True), is_grads_batched with
+    create_graph: the results are differentiable, as torch's are."""
+    jf, tf = _energy_pair()
+    g = to_torch(jf)
+    y = torch.tensor([0.5, -2.0], dtype=torch.float64)
+    hess = torch.autograd.functional.hessian
+    jac = torch.autograd.functional.jacobian
+    with x64():
+        for fn in (g, tf):
+            x = torch.linspace(-1, 1, 3, dtype=torch.float64, requires_grad=True)
+            h = hess(lambda x, fn=fn: fn(x, y).sum(), x, vectorize=True, create_graph=True)
+            j = jac(lambda x, fn=fn: fn(x, y), x, vectorize=True, create_graph=True)
+            (gx,) = torch.autograd.grad((h**2).sum() + (j**3).sum() + x.sum(), x)
+            out = fn(x, y)
+            (batched,) = torch.autograd.grad(
+                out, x, torch.eye(3, dtype=torch.float64), is_grads_batched=True, create_graph=True
+            )
+            (gb,) = torch.autograd.grad((batched**2).sum(), x)
+            if fn is g:
+                got = (gx, gb)
+            else:
+                want = (gx, gb)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
 
 
 def test_batched_grads_and_batched_gradcheck():

@@ -143,6 +143,34 @@ class Spec:
 
         return self._derive(("vjp", wrt), build)
 
+    def keeping(self, wrt: tuple[int, ...]) -> tuple[Callable, Callable]:
+        """``(forward, pullback)``, both jitted, for plain autograd (_kept_vjp.py):
+        ``forward(*arrays) -> (outputs, residuals)``, the outputs with jax.vjp's pullback
+        of the differentiable ones with respect to the inputs `wrt` (a pytree of arrays),
+        and ``pullback(residuals, *cotangents) -> grads``, in torch's complex convention
+        (the conjugations of `vjp`)."""
+
+        def build() -> tuple[Callable, Callable]:
+            fn, diff_out = self.fn, self.diff_out
+
+            def forward(*arrays: Any) -> tuple:
+                def outputs(*x: Any) -> tuple:
+                    full = list(arrays)
+                    for i, xi in zip(wrt, x, strict=True):
+                        full[i] = xi
+                    outs = tuple(fn(*full))
+                    return tuple(o for o, d in zip(outs, diff_out, strict=True) if d), outs
+
+                _, pull, outs = jax.vjp(outputs, *(arrays[i] for i in wrt), has_aux=True)
+                return outs, pull
+
+            def pullback(pull: Any, *cts: Any) -> tuple:
+                return tuple(jnp.conj(g) for g in pull(tuple(jnp.conj(c) for c in cts)))
+
+            return jax.jit(forward), jax.jit(pullback)
+
+        return self._derive(("keeping", wrt), build)
+
     def jvp(self, wrt: tuple[int, ...]) -> Spec:
         """Spec of `(*primals, *tangents of inputs wrt) -> tangents of diff outputs`."""
 
@@ -211,7 +239,7 @@ def run_spec(spec: Spec, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tenso
         if type(t) not in _PLAIN:
             break
         if LEGACY_VMAP and is_legacy_batched(t):
-            return _run_legacy_batched(spec, tensors)
+            return run_legacy_batched(spec, tensors)
     else:
         if not proxy_mode_active():
             return spec.run(tensors)
@@ -230,9 +258,18 @@ vectorize=True) and gradcheck's batched checks), which torchjax follows one leve
 Use torch.func (jacrev, jacfwd, hessian, vmap), which nests to any depth, or vectorize=False."""
 
 
-def _run_legacy_batched(spec: Spec, tensors: tuple) -> tuple[torch.Tensor, ...]:
+def has_legacy_batched(tensors: tuple) -> bool:
+    return LEGACY_VMAP and any(is_legacy_batched(t) for t in tensors)
+
+
+def run_legacy_batched(
+    spec: Spec, tensors: tuple, run: Callable[[Spec, tuple], tuple] | None = None
+) -> tuple[torch.Tensor, ...]:
     """`spec` on tensors some of which torch's legacy vmap batched: one call of the
-    jax.vmap'ed spec on the batched tensors' physical values, its outputs batched again."""
+    jax.vmap'ed spec on the batched tensors' physical values, its outputs batched again.
+    `run(spec, tensors)` makes the call (default run_spec; _JaxFunction's apply where
+    autograd must record it: autograd works on the physical tensors under legacy vmap)."""
+    run = run or run_spec
     level = legacy_vmap_level()
     if level != 1:
         raise ArgumentError(_NESTED_LEGACY.format(name=spec.name, level=level))
@@ -243,5 +280,5 @@ def _run_legacy_batched(spec: Spec, tensors: tuple) -> tuple[torch.Tensor, ...]:
         physical.append(legacy_remove_batch_dim(t, level, 1, 0) if batched else t)
         dims.append(0 if batched else None)
     size = next(p.shape[0] for p, d in zip(physical, dims, strict=True) if d is not None)
-    outs = run_spec(spec.batched(tuple(dims), size), tuple(physical))
+    outs = run(spec.batched(tuple(dims), size), tuple(physical))
     return tuple(legacy_add_batch_dim(o, 0, level) for o in outs)

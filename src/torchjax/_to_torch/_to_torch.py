@@ -6,8 +6,9 @@
 # jitted form. Every derived function is again a flat JAX function in a spec: the vjp
 # (torch's backward), the jvp (forward mode), jax.vmap'ed versions (torch.func.vmap). All of
 # them run through the one `_JaxFunction` autograd.Function, so the rules compose: backward
-# of backward, vmap of grad and jvp of vjp need no special cases. Data crosses through
-# DLPack (`_convert`).
+# of backward, vmap of grad and jvp of vjp need no special cases. (Plain autograd, with no
+# transform around, takes KeptVjp instead: one forward that keeps JAX's pullback,
+# _kept_vjp.py.) Data crosses through DLPack (`_convert`).
 from __future__ import annotations
 
 import functools
@@ -28,7 +29,8 @@ from torchjax._compat._torch import (
 from torchjax._convert import canonical_jax_dtype
 from torchjax._errors import ArgumentError, ConversionError, JaxOutputError, StaticArgumentError
 from torchjax._to_torch._hot_call import MISS, hot_call
-from torchjax._to_torch._spec import Spec, run_spec
+from torchjax._to_torch._kept_vjp import KeptVjp, keeps_pullback
+from torchjax._to_torch._spec import Spec, has_legacy_batched, run_legacy_batched, run_spec
 
 _tree = jax.tree_util
 _x64 = jax_config.enable_x64
@@ -96,6 +98,8 @@ class _JaxFunction(torch.autograd.Function):
     def apply(cls, *args: Any) -> Any:  # type: ignore[override]
         """Function.apply, skipping its per-call inspect.signature where it can: forward
         has no defaults to bind, and outside torch.func transforms nothing else differs."""
+        if has_legacy_batched(args[1:]):  # (a vectorized backward: recorded physically)
+            return run_legacy_batched(args[0], args[1:], lambda s, t: cls.apply(s, *t))
         if plain_function_apply is not None and not functorch_transforms_active():
             return plain_function_apply(cls, args)
         return super().apply(*args)
@@ -125,8 +129,13 @@ class _JaxFunction(torch.autograd.Function):
         grads: list[torch.Tensor | None] = [None] * len(spec.in_avals)
         if wrt:
             cts = [c for c, d in zip(cotangents, spec.diff_out, strict=True) if d]
-            # Through _JaxFunction again, so that the backward is itself differentiable.
-            outs = _JaxFunction.apply(spec.vjp(wrt), *ctx.saved_tensors, *cts)
+            vjp = spec.vjp(wrt)
+            if _grad_enabled() or functorch_transforms_active() or forward_ad_active():
+                # Through _JaxFunction again, so that the backward is itself differentiable
+                # (create_graph=True, torch.func, forward mode over it).
+                outs = _JaxFunction.apply(vjp, *ctx.saved_tensors, *cts)
+            else:  # nothing records it: Function.apply would only add its own cost
+                outs = run_spec(vjp, (*ctx.saved_tensors, *cts))
             for i, g in zip(wrt, outs, strict=True):
                 grads[i] = g
         return (None, *grads)
@@ -156,6 +165,14 @@ class _JaxFunction(torch.autograd.Function):
             return _JaxFunction.apply(spec, *tensors), (None,) * len(spec.out_avals)
         outs = _JaxFunction.apply(spec.batched(dims, info.batch_size), *tensors)
         return outs, (0,) * len(outs)
+
+
+def _differentiable_backward(spec: Spec, wrt: tuple, saved: tuple, cts: list) -> tuple:
+    """KeptVjp's backward where torch differentiates it (create_graph=True)."""
+    return _JaxFunction.apply(spec.vjp(wrt), *saved, *cts)
+
+
+KeptVjp.differentiable = staticmethod(_differentiable_backward)
 
 
 def _needs_autograd(tensors: list[torch.Tensor]) -> bool:
@@ -241,7 +258,15 @@ def _run(spec: Spec, out_tree: Any, tensors: tuple | list) -> Any:
     if not spec.out_avals:
         outs: tuple = ()
     elif _needs_autograd(tensors):
-        outs = _JaxFunction.apply(spec, *tensors)
+        if (
+            plain_function_apply is not None
+            and not functorch_transforms_active()
+            and not forward_ad_active()
+            and keeps_pullback(tensors)
+        ):
+            outs = plain_function_apply(KeptVjp, (spec, *tensors))
+        else:
+            outs = _JaxFunction.apply(spec, *tensors)
     else:
         outs = run_spec(spec, tuple(tensors))
     if out_tree.num_leaves == 1 and out_tree.num_nodes == 1:
