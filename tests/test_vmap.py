@@ -563,3 +563,24 @@ def test_an_empty_batch_gives_empty_outputs_and_derivatives(vmap_method, jit):
     tree_close(grads, jax.grad(loss(_pair_jax), argnums=(0, 1))(x, w))
     tangent = wrap(lambda x, w: jax.jvp(loss(f), (x, w), (x, jnp.ones_like(w)))[1])(x, w)
     tree_close(tangent, jax.jvp(loss(_pair_jax), (x, w), (x, jnp.ones_like(w)))[1])
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_derivatives_over_an_empty_batch_take_nothing_from_the_padded_example(jit):
+    """w / x at the padded example's zeros has an infinite derivative: a zero cotangent
+    times it would be NaN. And cholesky fails on zeros: with every output empty, its
+    derivatives run nothing (eagerly too, where grad first runs the forward for a graph)."""
+    wrap = jax.jit if jit else (lambda g: g)
+    divide = torchjax.to_jax(lambda w, x: w / x)
+    w, empty = jnp.ones(3), jnp.zeros((0, 3))
+
+    def total(fn):
+        return lambda w: jax.vmap(fn, in_axes=(None, 0))(w, empty).sum()
+
+    tree_close(wrap(jax.grad(total(divide)))(w), jax.grad(total(lambda w, x: w / x))(w))
+    cholesky = torchjax.to_jax(torch.linalg.cholesky)
+    matrices = jnp.zeros((0, 3, 3))
+    grad = wrap(jax.grad(lambda m: jax.vmap(cholesky)(m).sum()))(matrices)
+    assert grad.shape == (0, 3, 3)
+    tangent = jax.jvp(jax.vmap(cholesky), (matrices,), (matrices,))[1]
+    assert tangent.shape == (0, 3, 3)

@@ -141,10 +141,10 @@ class CallPlan:
         # A vmapped call over an empty batch (every output empty) computes nothing: its
         # outputs are made, not computed (torch.func.vmap fails on many ops with no
         # example to run; under jit XLA gives empty outputs as well).
+        # (A RecordedForward's residuals come last: no graph, no RNG state then.)
+        main = structs[: len(structs) - getattr(fn, "n_residuals", 0)]
         self.empty_batch = (
-            getattr(fn, "maps_a_batch", False)
-            and bool(structs)
-            and all(0 in s.shape for s in structs)
+            getattr(fn, "maps_a_batch", False) and bool(main) and all(0 in s.shape for s in main)
         )
 
     def invoke(self, tensors: list[torch.Tensor]) -> Any:
@@ -157,10 +157,10 @@ class CallPlan:
         the function runs torch.autograd itself runs again, and from then on, with
         torch.autograd's derivatives and a loop over the batch (autograd_inside).
         """
-        if self.empty_batch:
+        if self.empty_batch:  # (zeros: empty outputs, and residuals that say "none")
             device = tensors[0].device if tensors else None
-            empty = [torch.empty(s, dtype=d, device=device) for s, d in self._out_types()]
-            return _tree.tree_unflatten(self.out_tree, empty)
+            made = [torch.zeros(s, dtype=d, device=device) for s, d in self._out_types()]
+            return _tree.tree_unflatten(self.out_tree, made)
         if self.autograd_inside:
             _autograd.depth += 1
             try:

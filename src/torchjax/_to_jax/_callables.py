@@ -167,7 +167,8 @@ class UserFunction:
 
     @property
     def name(self) -> str:
-        return function_name(self.fn)
+        fn = self.fn.fn if type(self.fn) is InAutocast else self.fn  # a variant: fn's own
+        return function_name(fn)
 
     @property
     def root(self) -> UserFunction:
@@ -355,6 +356,12 @@ class DerivedFunction:
     @property
     def grad_mode(self) -> bool:
         return self.inner.grad_mode
+
+    @property
+    def maps_a_batch(self) -> bool:
+        """A derivative of a batched call: over an empty batch, where every output is
+        empty, it computes nothing either (CallPlan.empty_batch)."""
+        return getattr(self.inner, "maps_a_batch", False)
 
     def arg_path(self, path: tuple) -> str:
         return self.inner.arg_path(path)
@@ -564,10 +571,10 @@ class BatchedFunction(DerivedFunction):
 
     def _empty_batch(self, leaves: list, tree: Any, mapped: list) -> Any:
         """An empty batch, which torch.func.vmap cannot run many ops over (no example to
-        select): one example of zeros appended, and the batched outputs cut back to none.
-        Exact, derivatives too: the example's outputs are cut off, so nothing flows back
-        to it (a gradient of an unbatched input sums over no example, as JAX's does), and
-        an output that stays unbatched depends on no batched input."""
+        select): one example of zeros appended, and the batched outputs cut back to none,
+        detached. Exact, derivatives too: nothing flows back from the cut-off example (a
+        gradient of an unbatched input sums over no example, as JAX's does), and an
+        output that stays unbatched depends on no batched input."""
         padded = list(leaves)
         for i, d in mapped:
             x = leaves[i]
@@ -579,7 +586,9 @@ class BatchedFunction(DerivedFunction):
             raise
         outs, out_tree = _tree.tree_flatten(out)
         dims = self.out_dims or (0,) * len(outs)
-        cut = [o if d is None else o[:0] for o, d in zip(outs, dims, strict=True)]
+        # Detached: no derivative flows back from the cut-off example at all (a zero
+        # cotangent times its derivative at the zeros, inf for w / x, would be NaN).
+        cut = [o if d is None else o.detach()[:0] for o, d in zip(outs, dims, strict=True)]
         return _tree.tree_unflatten(out_tree, cut)
 
     def _one_example(self, leaves: list, tree: Any, positions: list) -> None:
@@ -922,6 +931,8 @@ class RecordedForward(_Derivative):
     out_mask: tuple
     grad_method: str
     keep_graph: bool = True  # False: the linear half is applied forward, and recomputes
+
+    n_residuals = 2  # the handle and the RNG state, after the outputs (CallPlan.empty_batch)
 
     def arg_path(self, path: tuple) -> str:
         return self.inner.arg_path(path)  # its args are inner's own
