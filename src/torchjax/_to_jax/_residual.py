@@ -40,6 +40,7 @@ from torchjax._compat._torch import (
     is_view,
     storage_id,
     tensor_use_count,
+    tensor_version,
 )
 from torchjax._to_jax._cuda import forward_stream, ordered_with
 
@@ -394,6 +395,30 @@ class _Leaf:
         self.i = i
 
 
+class _Saved:
+    """A tensor torch saved for the backward, with its version then. Saved-tensor hooks
+    take over torch's own check that nothing changed it in place since (exp's output
+    doubled in place after exp saved it): torch's error, as torch would raise it."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.version = t, tensor_version(t)
+
+    def checked(self) -> torch.Tensor:
+        t = self.t
+        if tensor_version(t) != self.version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+                f"{tensor_version(t)}; expected version {self.version} instead. (torch's "
+                f"own check, as torch.autograd raises it: a tensor torch saved for the "
+                f"backward was changed in place afterwards, in the forward.) Make the change "
+                f"out of place, e.g. `y = y * 2` for `y.mul_(2)`."
+            )
+        return t
+
+
 class _InputView:
     """A saved tensor that is a view of input k: rebuilt from the VJP's input k."""
 
@@ -447,8 +472,9 @@ def recording(graph: KeptGraph, inputs: list[torch.Tensor]) -> Iterator[None]:
         if owner is not None:
             owner.nbytes += t.numel() * t.element_size()
         # Detached: a saved output (tanh saves its own) kept with its grad_fn would close
-        # a reference cycle inside torch's graph that nothing ever frees.
-        return t.detach()
+        # a reference cycle inside torch's graph that nothing ever frees. The detached
+        # tensor shares the version counter: a later in-place change is caught at unpack.
+        return _Saved(t.detach())
 
     def unpack(saved: Any) -> torch.Tensor:
         if isinstance(saved, _InputView):
@@ -456,6 +482,8 @@ def recording(graph: KeptGraph, inputs: list[torch.Tensor]) -> Iterator[None]:
             return rebuild_input_view(saved, kept().inputs)
         if isinstance(saved, _Leaf):
             return kept().leaves[saved.i]
+        if isinstance(saved, _Saved):
+            return saved.checked()
         return saved
 
     try:
