@@ -14,20 +14,19 @@ from typing import Any
 
 import torch
 
-from torchjax._compat._torch import is_legacy_batched, proxy_mode_active
+from torchjax._compat._torch import proxy_mode_active
 from torchjax._convert import array_to_tensor, tensor_to_jax
-from torchjax._to_torch._spec import Spec
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+from torchjax._to_torch._spec import PLAIN_TENSORS, Spec, has_legacy_batched
 
 
 def keeps_pullback(tensors: tuple | list) -> bool:
     """Whether a call of these tensors (under plain autograd) can run through KeptVjp:
-    real tensors, no make_fx trace."""
-    for t in tensors:
-        if type(t) not in _PLAIN or (is_legacy_batched and is_legacy_batched(t)):
-            return False
-    return not proxy_mode_active()
+    real tensors, none batched by torch's legacy vmap, no make_fx trace."""
+    return (
+        all(type(t) in PLAIN_TENSORS for t in tensors)
+        and not has_legacy_batched(tensors)
+        and not proxy_mode_active()
+    )
 
 
 class KeptVjp(torch.autograd.Function):
@@ -41,15 +40,14 @@ class KeptVjp(torch.autograd.Function):
         needs = ctx.needs_input_grad[1:]
         wrt = tuple(i for i, d in enumerate(spec.diff_in) if d and needs[i])
         forward, ctx.pullback = spec.keeping(wrt)
-        arrays = [tensor_to_jax(t, p) for t, p in zip(tensors, spec.in_paths, strict=True)]
-        outs, ctx.residuals = forward(*arrays)
-        results = spec.unshared(tensors, [array_to_tensor(o, spec.out_where) for o in outs])
+        outs, ctx.residuals = forward(*spec.arrays_of(tensors))
+        results = spec.outputs_of(tensors, outs)
         ctx.spec, ctx.wrt = spec, wrt
         ctx.save_for_backward(*tensors)  # for a differentiated backward (create_graph)
         nondiff = [o for o, d in zip(results, spec.diff_out, strict=True) if not d]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
-        return tuple(results)
+        return results
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple:  # type: ignore[override]

@@ -82,8 +82,14 @@ class Spec:
 
     def run(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Call the jitted function on real tensors; zero-copy in and out."""
-        arrays = [tensor_to_jax(t, p) for t, p in zip(tensors, self.in_paths, strict=True)]
-        outs = self.jitted(*arrays)
+        return self.outputs_of(tensors, self.jitted(*self.arrays_of(tensors)))
+
+    def arrays_of(self, tensors: tuple) -> list:
+        """The inputs as JAX arrays (zero-copy where they can be), named by their paths."""
+        return [tensor_to_jax(t, p) for t, p in zip(tensors, self.in_paths, strict=True)]
+
+    def outputs_of(self, tensors: tuple, outs: Any) -> tuple[torch.Tensor, ...]:
+        """A call's output arrays as tensors, none sharing memory with `tensors`."""
         return tuple(self.unshared(tensors, [array_to_tensor(o, self.out_where) for o in outs]))
 
     @staticmethod
@@ -108,16 +114,18 @@ class Spec:
             spec = self._derived[key] = build()
         return spec
 
-    def _restricted(self, wrt: tuple[int, ...]) -> Callable:
-        """`f(primals, *x)`: the differentiable outputs as functions of the inputs `wrt`."""
+    def _restricted(self, wrt: tuple[int, ...], with_all: bool = False) -> Callable:
+        """`f(primals, *x)`: the differentiable outputs as functions of the inputs `wrt`;
+        `with_all`: with every output beside them, as jax.vjp's has_aux takes them."""
         fn, diff_out = self.fn, self.diff_out
 
         def f(primals: tuple, *x: Any) -> tuple:
             full = list(primals)
             for i, xi in zip(wrt, x, strict=True):
                 full[i] = xi
-            outs = fn(*full)
-            return tuple(o for o, d in zip(outs, diff_out, strict=True) if d)
+            outs = tuple(fn(*full))
+            diff = tuple(o for o, d in zip(outs, diff_out, strict=True) if d)
+            return (diff, outs) if with_all else diff
 
         return f
 
@@ -151,17 +159,11 @@ class Spec:
         (the conjugations of `vjp`)."""
 
         def build() -> tuple[Callable, Callable]:
-            fn, diff_out = self.fn, self.diff_out
+            f = self._restricted(wrt, with_all=True)
 
             def forward(*arrays: Any) -> tuple:
-                def outputs(*x: Any) -> tuple:
-                    full = list(arrays)
-                    for i, xi in zip(wrt, x, strict=True):
-                        full[i] = xi
-                    outs = tuple(fn(*full))
-                    return tuple(o for o, d in zip(outs, diff_out, strict=True) if d), outs
-
-                _, pull, outs = jax.vjp(outputs, *(arrays[i] for i in wrt), has_aux=True)
+                g = functools.partial(f, arrays)
+                _, pull, outs = jax.vjp(g, *(arrays[i] for i in wrt), has_aux=True)
                 return outs, pull
 
             def pullback(pull: Any, *cts: Any) -> tuple:
@@ -209,7 +211,7 @@ class Spec:
 # spec's output shapes; the int argument finds the spec again when the graph runs.
 _OP_SPECS: list[Spec] = []
 _op: Any = None
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not fake, functional or a subclass
 
 
 def _jax_call_op() -> Any:
@@ -236,7 +238,7 @@ def _jax_call_op() -> Any:
 
 def run_spec(spec: Spec, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     for t in tensors:
-        if type(t) not in _PLAIN:
+        if type(t) not in PLAIN_TENSORS:
             break
         if LEGACY_VMAP and is_legacy_batched(t):
             return run_legacy_batched(spec, tensors)
