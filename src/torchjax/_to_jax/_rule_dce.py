@@ -12,7 +12,9 @@
 #   * A JVP whose outputs nobody reads, only their tangents, returns the tangents alone.
 #   * A RecordedForward, or the JvpFunction of one (inside torch.func.jvp it keeps no graph:
 #     its handle is 0), of which nothing but the residuals is read becomes a
-#     ForwardResiduals call: it reads torch's generator state, which is what the forward
+#     ForwardResiduals call on the forward's primals alone (not the JVP's tangents, which
+#     the residuals do not depend on: jax.checkpoint's transpose would take them for
+#     linear): it reads torch's generator state, which is what the forward
 #     would have returned, and does not run the forward (but once per function: see
 #     there). So jax.jit(jax.jvp(jax.grad(f))) and jax.jit(jax.hessian(f)) run the
 #     forward as often as torch.func does (tests/test_forward_over_reverse.py counts the
@@ -48,8 +50,8 @@ _WARMED: weakref.WeakSet = weakref.WeakSet()
 
 @dataclasses.dataclass(frozen=True)
 class ForwardResiduals(DerivedFunction):
-    """``(*args) -> (handle 0, rng_state)``: the residuals `inner` (a RecordedForward, or a
-    JvpFunction of one, that would keep no graph) returns after its outputs, without
+    """``(*args) -> (handle 0, rng_state)``: the residuals `inner` (a RecordedForward that
+    would keep no graph, or the forward inside a JVP's) returns after its outputs, without
     running it: the generator state it reads before its forward.
 
     Except the first time for a given user function: then the forward does run, plainly,
@@ -64,9 +66,7 @@ class ForwardResiduals(DerivedFunction):
     def __call__(self, *args: Any) -> tuple:
         root = self.inner.root
         if root not in _WARMED:
-            forward = self.inner if isinstance(self.inner, RecordedForward) else self.inner.inner
-            primals = args if forward is self.inner else args[0]
-            *_, handle, state = dataclasses.replace(forward, keep_graph=False)(*primals)
+            *_, handle, state = dataclasses.replace(self.inner, keep_graph=False)(*args)
             _WARMED.add(root)
             return handle, state
         device = device_of(args)
@@ -83,6 +83,7 @@ def dce(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
     if not any(used_outputs):
         return [False] * len(eqn.invars), None
     fn = dict(eqn.params["params"])["fn"]
+    original = eqn.invars
     if isinstance(fn, RecordedForward):
         eqn = _forward_eqn(used_outputs, eqn, fn, len(used_outputs) - 2)
     elif isinstance(fn, JvpFunction) and isinstance(fn.inner, RecordedForward):
@@ -93,7 +94,8 @@ def dce(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
             eqn = _without_handle(eqn)
         if isinstance(fn, JvpFunction) and fn.with_primals:
             eqn = _tangents_only(used_outputs, eqn, fn)
-    return [isinstance(v, core.Var) for v in eqn.invars], eqn
+    kept = {id(v) for v in eqn.invars if isinstance(v, core.Var)}
+    return [id(v) in kept for v in original], eqn  # one per operand of the original call
 
 
 def _forward_eqn(used: list[bool], eqn: Any, fn: Any, handle_at: int) -> Any:
@@ -102,14 +104,17 @@ def _forward_eqn(used: list[bool], eqn: Any, fn: Any, handle_at: int) -> Any:
     rest = used[:handle_at] + used[handle_at + 2 :]
     if not any(rest):
         residuals = eqn.outvars[handle_at : handle_at + 2]
-        return torch_call_eqn(
-            eqn,
-            eqn.invars,
-            residuals,
-            eqn.params["in_tree"],
-            eqn.params["statics"],
-            ForwardResiduals(fn),
-        )
+        in_tree, statics, invars = eqn.params["in_tree"], eqn.params["statics"], eqn.invars
+        if isinstance(fn, JvpFunction):
+            # The residuals of a JVP's forward are its primals' alone: the call keeps only
+            # them as operands. Left reading the tangents, it would make the residuals
+            # depend on them, and a transpose (jax.checkpoint's) would take every later use
+            # of the residuals for a linear one.
+            in_tree = in_tree.children()[0]
+            statics = statics[: in_tree.num_leaves]
+            invars = invars[: sum(1 for s in statics if s is ARRAY)]
+            fn = fn.inner
+        return torch_call_eqn(eqn, invars, residuals, in_tree, statics, ForwardResiduals(fn))
     if isinstance(fn, RecordedForward) and fn.keep_graph and not used[handle_at]:
         lighter = dataclasses.replace(fn, keep_graph=False)
         in_tree, statics = eqn.params["in_tree"], eqn.params["statics"]
