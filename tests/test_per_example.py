@@ -163,3 +163,76 @@ def test_a_jitted_per_example_step_copies_no_input(monkeypatch):
     want_grads, want_values, _ = _torch_reference()
     tree_close(values, want_values)
     tree_close(grads, want_grads)
+
+
+# -- functions whose gradient the one-forward plan would change -------------------------
+# Inside torch.func.vmap, tensors of a graph recorded around the vmap say they do not
+# require grad, and an autograd.Function runs its vmap rule there, differentiated as such;
+# under torch.func.vmap(torch.func.grad(f)) they require grad and the Function's backward
+# runs. A function that asks, or applies a Function, is batched as torch.func batches it.
+
+
+def _hooked(x, w):  # torch: a gradient hook registered only where autograd is recording
+    h = x * w
+    if h.requires_grad:
+        h.register_hook(lambda g: g * 3)
+    return torch.tanh(h).sum()
+
+
+class _FiveBack(torch.autograd.Function):
+    """x * 2 whose backward says 5: a custom gradient, with a hand-written vmap rule."""
+
+    @staticmethod
+    def forward(x):
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 5
+
+    @staticmethod
+    def vmap(info, in_dims, x):
+        return x * 2, in_dims[0]
+
+
+def _custom(x, w):
+    return (_FiveBack.apply(x) * w).sum()
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("fn", [_hooked, _custom], ids=["hook", "function_vmap_rule"])
+def test_per_example_gradient_of_code_that_asks_autograd_matches_torch_func(fn, jit, x64):
+    xs = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+    w = jnp.array([0.3, -0.2, 0.1])
+    step = jax.vmap(jax.grad(torchjax.to_jax(fn), argnums=(0, 1)), in_axes=(0, None))
+    step = jax.jit(step) if jit else step
+    expected = torch.func.vmap(torch.func.grad(fn, argnums=(0, 1)), in_dims=(0, None))(
+        torch.tensor(np.asarray(xs)), torch.tensor(np.asarray(w))
+    )
+    for _ in range(2):  # the first call finds out, the second knows
+        tree_close(step(xs, w), tuple(t.numpy() for t in expected))
+
+
+def test_per_example_gradient_of_an_eval_attention_fast_path_matches_torch_func():
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    params = {k: v.detach() for k, v in mha.named_parameters()}
+
+    def loss(p, x):  # each example a batch of 2 sequences: MHA's fast path applies
+        return torch.func.functional_call(mha, p, (x, x, x), {"need_weights": False})[0].sum()
+
+    xs = np.random.default_rng(0).normal(size=(2, 2, 4, 8)).astype(np.float32)
+    expected = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, torch.tensor(xs))
+    step = jax.vmap(jax.grad(torchjax.to_jax(loss)), in_axes=(None, 0))
+    p = {k: jnp.asarray(v.numpy()) for k, v in params.items()}
+    for _ in range(2):
+        tree_close(
+            step(p, jnp.asarray(xs)),
+            {k: v.numpy() for k, v in expected.items()},
+            rtol=1e-4,
+            atol=1e-5,
+        )

@@ -164,6 +164,16 @@ def _plain_function_apply(cls: type, args: tuple) -> Any:
 
 plain_function_apply = None if ABSENT in (_unwrap_dead, _base_apply) else _plain_function_apply
 
+# What autograd.Function.apply calls inside torch.func transforms; a TorchFunctionMode sees
+# it as the function called (_batched_tape.py watches for it). None where missing.
+custom_function_call = or_(
+    private(
+        "torch._functorch.autograd_function.custom_function_call",
+        fallback="jax.vmap of a gradient runs the forward twice (once more in its VJP)",
+    ),
+    None,
+)
+
 
 private(
     "torch.autograd.forward_ad._current_level",

@@ -12,6 +12,15 @@
 # torch.func's matmul count (the forward's matmuls become batched ones of the same FLOPs).
 # Where the graph cannot serve (nested transforms, a VJP called twice, an evicted graph)
 # the VJP recomputes under torch.func.vmap as before, replaying the forward's draws.
+# Inside torch.func.vmap the batched tensors of a graph recorded around it say they do not
+# require grad, where torch.func.vmap(torch.func.grad(f)) says they do: a function that
+# asks (`if h.requires_grad: h.register_hook(...)`, nn.MultiheadAttention's fast path)
+# would take another branch, and give another gradient. And an autograd.Function applied
+# in it is differentiated through its vmap rule (the graph records what the rule ran), where
+# torch.func runs its backward. Every recorded forward watches for both (a
+# TorchFunctionMode, which also turns nn.MultiheadAttention's fast path off, as
+# torch.func's levels would); a call that asks or applies one runs again without a graph,
+# its VJP recomputing under torch.func's levels, and so do the function's later calls.
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +28,9 @@ from typing import Any
 
 import jax
 import torch
+from torch.overrides import TorchFunctionMode
 
+from torchjax._compat._torch import custom_function_call
 from torchjax._to_jax._autograd import outermost
 from torchjax._to_jax._callables import (
     BatchedFunction,
@@ -61,6 +72,33 @@ class _BatchedLeaf:
         return t.expand(self.size, *t.shape) if self.dim is None else t.movedim(self.dim, 0)
 
 
+_T = torch.Tensor
+# What asks a tensor about autograd: its answer inside torch.func.vmap differs between a
+# graph recorded around the vmap and torch.func.grad's levels within it.
+_AUTOGRAD_QUESTIONS = frozenset(
+    {
+        _T.requires_grad.__get__,
+        _T.grad_fn.__get__,
+        _T.is_leaf.__get__,
+        _T.register_hook,
+        _T.retain_grad,
+        _T.requires_grad_,
+        _T.register_post_accumulate_grad_hook,
+    }
+)
+
+
+class _AutogradQuestions(TorchFunctionMode):
+    """Notes whether the code it runs asks a tensor about autograd (see the banner)."""
+
+    asked = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is custom_function_call or func in _AUTOGRAD_QUESTIONS:
+            self.asked = True
+        return func(*args, **(kwargs or {}))
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchedRecordedForward(DerivedFunction):
     """``forward`` (a RecordedForward) batched by torch.func.vmap over the tensor leaves
@@ -93,7 +131,10 @@ class BatchedRecordedForward(DerivedFunction):
         state = rng_state(device).to(device)
         dims = dict(zip(positions, self.in_dims, strict=True))
         wrt = self.inner.wrt
-        if not outermost(primals) or any(leaves[i].is_complex() for i in wrt):
+        facts = self.inner.root.facts
+        # (Without custom_function_call to watch for, no function is known not to ask.)
+        asks = True if custom_function_call is None else facts.get("asks_autograd")
+        if asks or not outermost(primals) or any(leaves[i].is_complex() for i in wrt):
             outs = _tree.tree_leaves(self._batched()(*primals))
             return (*[as_tensor(o, device) for o in outs], _handle(0, device), state)
         size = next(t.shape[d] for t, d in zip(tensors, self.in_dims, strict=True) if d is not None)
@@ -105,21 +146,21 @@ class BatchedRecordedForward(DerivedFunction):
         for i, recipe in zip(wrt, recipes, strict=True):
             new[i] = _leaf_on(recipe.rebuild(tensors))
         in_dims = tuple(0 if i in wrt else d for i, d in dims.items())
+        watch = _AutogradQuestions()
         try:
-            with torch.enable_grad(), recording(graph, tensors):
+            with torch.enable_grad(), recording(graph, tensors), watch:
                 graph.leaves = [new[i] for i in wrt]
                 out = self._batched(in_dims)(*_tree.tree_unflatten(tree, new))
         except Exception:  # noqa: BLE001 - the call without a graph raises fn's own error
             # What torch.func.vmap batches only beneath an autograd level of its own (a
             # composite op such as column_stack decomposed), which refuses saved-tensor
             # hooks: batched as before, with no graph; the VJP recomputes.
-            release = take_held(mark)
-            for h in release:
-                h.release()
             del graph, new
-            with replaying(state, device):  # the draws the VJP will replay too
-                outs = _tree.tree_leaves(self._batched()(*primals))
-            return (*[as_tensor(o, device) for o in outs], _handle(0, device), state)
+            return self._without_graph(primals, mark, state, device)
+        if watch.asked:  # its answers were wrong here: again, with torch.func's levels
+            facts["asks_autograd"] = True
+            del out, graph, new
+            return self._without_graph(primals, mark, state, device)
         outs = [as_tensor(o, device) for o in _tree.tree_leaves(out)]
         del out, new
         mask = self.inner.out_mask
@@ -130,6 +171,15 @@ class BatchedRecordedForward(DerivedFunction):
         graph.outputs = [o if m else None for o, m in zip(outs, mask, strict=True)]
         graph.input_shapes = tuple(zip((t.shape for t in tensors), self.in_dims, strict=True))
         return (*[o.detach() for o in outs], _handle(GRAPHS.put(graph), device), state)
+
+    def _without_graph(self, primals: tuple, mark: int, state: Any, device: Any) -> tuple:
+        """The call batched as BatchedFunction would, keeping no graph (the VJP will
+        recompute), after a recorded attempt: what that attempt held is let go of."""
+        for h in take_held(mark):
+            h.release()
+        with replaying(state, device):  # the draws the VJP will replay too
+            outs = _tree.tree_leaves(self._batched()(*primals))
+        return (*[as_tensor(o, device) for o in outs], _handle(0, device), state)
 
     def out_types(self, options: Options, *primals: Any) -> tuple:
         out = self._batched().out_types(options, *primals)
