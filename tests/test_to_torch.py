@@ -612,3 +612,27 @@ def test_to_torch_inside_to_jax_runs_without_copies_of_the_call():
             assert float(jax.jit(f)(x)) == pytest.approx(expected, rel=1e-6)
             np.testing.assert_allclose(jax.grad(f)(x), 4 * jnp.sin(2 * x), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(x, np.linspace(0.0, 3.0, 4, dtype=np.float32))
+
+
+# -- torch.jit.trace ---------------------------------------------------------------------
+# The tracer cannot see into a JAX call: it would record the outputs as constants, and the
+# traced function would return them for every input. The call is refused instead.
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["first_call", "after_a_call"])
+def test_torch_jit_trace_of_a_to_torch_call_is_refused(warm):
+    f = to_torch(lambda x, w: jnp.tanh(x @ w))
+    x, w = torch.randn(4, 3), torch.randn(3, 2)
+    if warm:  # the repeated-call shortcut is set up: it must refuse too
+        torch.testing.assert_close(f(x, w), torch.tanh(x @ w))
+        torch.testing.assert_close(f(x, w), torch.tanh(x @ w))
+    with pytest.raises(torchjax.errors.ArgumentError, match=r"torch\.jit\.trace.*torch\.export"):
+        torch.jit.trace(lambda x, w: f(x, w) * 1, (x, w))
+    g = to_torch(jnp.sin)  # one tensor in and out: the one-input shortcut
+    if warm:
+        torch.testing.assert_close(g(x), torch.sin(x))
+        torch.testing.assert_close(g(x), torch.sin(x))
+    with pytest.raises(torchjax.errors.ArgumentError, match=r"torch\.jit\.trace"):
+        torch.jit.trace(lambda x: g(x) + 1, (x,))
+    torch.testing.assert_close(f(x, w), torch.tanh(x @ w))  # untraced calls still run
+    torch.testing.assert_close(g(x), torch.sin(x))

@@ -212,6 +212,13 @@ def proxy_mode_active() -> bool:
     return _get_dispatch_mode(_PROXY_KEY) is not None
 
 
+# Whether torch.jit.trace is recording (its tracing state, None when not): the C call
+# behind torch.jit.is_tracing, without its Python frame.
+jit_tracing = or_(
+    private("torch._C._get_tracing_state", fallback="torch.jit.is_tracing (slower)"),
+    torch.jit.is_tracing,
+)
+
 # Leaves functorch's interpreter stack for a moment (setting generator state inside a
 # torch.func transform must not be intercepted by it).
 DisableFuncTorch = private("torch._C._DisableFuncTorch")

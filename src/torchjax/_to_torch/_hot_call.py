@@ -16,6 +16,7 @@ from torchjax._compat._jax import dlpack_export, dlpack_import, jax_config
 from torchjax._compat._torch import (
     cpu_array_from_tensor,
     forward_ad_level,
+    jit_tracing,
     proxy_mode_active,
     tensor_from_capsule,
     tensor_to_capsule,
@@ -78,7 +79,13 @@ def hot_call(spec: Spec, tensors: list, run: Callable[[Spec, Any, tuple], Any], 
             i += 1
         # plain, no torch.func transform (functorch_transforms_active), no forward-mode
         # dual level (forward_ad_active), no input that autograd follows: Spec.run.
-        if not plain or transforms_active() or dual_level() >= 0 or proxy_mode_active():
+        if (
+            not plain
+            or transforms_active()
+            or dual_level() >= 0
+            or proxy_mode_active()
+            or jit_tracing()  # torch.jit.trace: refused by the full way
+        ):
             return run(spec, out_tree, args)
         if _grad_enabled():
             for a in args:
@@ -122,6 +129,7 @@ def hot_call(spec: Spec, tensors: list, run: Callable[[Spec, Any, tuple], Any], 
                 or transforms_active()
                 or dual_level() >= 0
                 or proxy_mode_active()  # make_fx tracing: the call must be recorded
+                or jit_tracing()  # torch.jit.trace: refused by the full way
                 or (a.requires_grad and _grad_enabled())
                 or not a.is_cpu
                 or a.layout is not _strided

@@ -24,6 +24,7 @@ from torchjax._compat._jax import jax_config
 from torchjax._compat._torch import (
     forward_ad_active,
     functorch_transforms_active,
+    jit_tracing,
     plain_function_apply,
 )
 from torchjax._convert import canonical_jax_dtype
@@ -255,6 +256,13 @@ def _build_spec(
 
 def _run(spec: Spec, out_tree: Any, tensors: tuple | list) -> Any:
     """One call of `spec` on the call's tensors, through autograd where it is needed."""
+    if jit_tracing():
+        raise ArgumentError(
+            f"{spec.name} was called inside torch.jit.trace, which cannot record "
+            f"a JAX call: the trace would keep this call's outputs as constants and return "
+            f"them for every input. Use torch.export.export or torch.compile, which record "
+            f"the call, or call the function without tracing it."
+        )
     if not spec.out_avals:
         outs: tuple = ()
     elif _needs_autograd(tensors):
