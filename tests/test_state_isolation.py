@@ -602,3 +602,63 @@ def test_a_buffer_the_forward_grows_is_taken_back_at_its_new_shape(jit):
     wrong = {"params": params, "buffers": {"mask": jnp.ones((4, 4), bool)}}
     with pytest.raises(VariablesError, match=r"expects \[2, 2\] \(or a shape a mutable=True"):
         apply(wrong, jnp.ones((2, 4)))
+
+
+# -- buffers a call cannot carry as torch does ------------------------------------------
+class _ViewedBuffer(torch.nn.Module):
+    """A buffer registered as a view of another: torch's forward sees a write into `full`
+    through `part`; apply gives each its own array, so such a write is refused."""
+
+    def __init__(self, write: bool):
+        super().__init__()
+        self.write = write
+        self.register_buffer("full", torch.ones(4))
+        self.register_buffer("part", self.full[:3])
+
+    def forward(self, x):
+        if self.write:
+            self.full.mul_(3)
+        return x * self.part
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "mutable"])
+def test_a_write_into_a_buffer_another_one_views_is_refused(mode):
+    x = jnp.ones(3)
+    apply, variables = torchjax.module_to_jax(_ViewedBuffer(write=True))
+    call = {
+        "eager": lambda: apply(variables, x),
+        "jit": lambda: jax.jit(apply)(variables, x),
+        "mutable": lambda: apply(variables, x, mutable=True),
+    }[mode]
+    with pytest.raises(VariablesError, match="(?s)buffer 'full'.*shares memory with buffer 'part'"):
+        call()
+    np.testing.assert_array_equal(variables["buffers"]["full"], np.ones(4))
+
+
+def test_buffers_that_view_each_other_are_read_as_torch_reads_them():
+    module = _ViewedBuffer(write=False)
+    apply, variables = torchjax.module_to_jax(module)
+    x = jnp.array([1.0, 2.0, 3.0])
+    want = module(torch.tensor(np.asarray(x))).numpy()
+    np.testing.assert_array_equal(apply(variables, x), want)
+    np.testing.assert_array_equal(jax.jit(apply)(variables, x), want)
+
+
+class _RegistersOnFirstCall(torch.nn.Module):
+    def forward(self, x):
+        if "acc" not in self._buffers:
+            self.register_buffer("acc", torch.zeros_like(x))
+        self.acc.add_(x)
+        return self.acc * 1
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_buffer_forward_registers_is_dropped_with_a_warning_under_mutable(mode):
+    apply, variables = torchjax.module_to_jax(_RegistersOnFirstCall())
+    call = jax.jit(apply, static_argnames="mutable") if mode == "jit" else apply
+    with pytest.warns(
+        StateWarning, match="(?s)registered a buffer that variables lacks: 'acc'.*__init__"
+    ):
+        out, new_buffers = call(variables, jnp.ones(3), mutable=True)
+    np.testing.assert_array_equal(out, np.ones(3))
+    assert new_buffers == {}  # what the warning says: it cannot be carried over

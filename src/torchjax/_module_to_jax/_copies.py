@@ -35,6 +35,7 @@ from torchjax._compat._torch import (
     storage_id,
 )
 from torchjax._errors import StateWarning, VariablesError, warn
+from torchjax._module_to_jax._aliases import AliasWatch, overlapping
 from torchjax._module_to_jax._placeholders import BATCHED, IDLE, placeholder
 from torchjax._to_jax._fake_run import real_mode
 from torchjax._to_jax._residual import HeldState, KeptGraph, hold, input_view, rebuild_input_view
@@ -220,6 +221,14 @@ class ModuleState:
             "buffers": {k: tuple(v.shape) for k, v in self.buffers.items()},
         }
         self.submodules = list(module.modules())
+        # Parameters and buffers that are views of one another: a write into one is
+        # refused (_aliases.py). None for the usual module, which has none.
+        pairs = overlapping({**self.params, **self.buffers})
+        slot_of: dict[str, int] = {}
+        for j, name in enumerate(self.slot_names):
+            slot_of.setdefault(name, j)
+        name = type(module).__name__
+        self.aliases = AliasWatch(pairs, slot_of, self.n_params, name) if pairs else None
         idle = IDLE.format(module=type(module).__name__)
         placeholders = {
             id(t): placeholder(t, idle) for t in (*module.parameters(), *module.buffers())
@@ -269,7 +278,10 @@ class ModuleState:
         c = self.pool.acquire()
         c.install(values, self.training())  # the user's module's modes, as they are now
         try:
+            before = self.aliases.before(values) if self.aliases else None
             out = c.runner(*args, **kwargs)
+            if before is not None:
+                self.aliases.check(c.slot_values(), before)
             if read_buffers:
                 out = (out, self._buffers_after(c))
             elif self.buffer_reads:
@@ -301,10 +313,20 @@ class ModuleState:
             if d[key] is not values[j]:
                 self.warn_dropped(name, "reassigned it")
 
-    def warn_dropped(self, name: str, how: str) -> None:
+    def warn_dropped(self, name: str, how: str, new: bool = False) -> None:
         if name in self.warned:
             return
         self.warned.add(name)
+        if new:
+            warn(
+                f"{type(self.module).__name__}'s forward {how}: {name!r}. mutable=True "
+                f"returns the buffers the module had when module_to_jax was called, so "
+                f"{name!r} is dropped and the next call starts without it. To carry it from "
+                f"call to call, register it in __init__ (before module_to_jax), with its "
+                f"initial value.",
+                StateWarning,
+            )
+            return
         warn(
             f"{type(self.module).__name__}'s forward {how}: buffer {name!r}. With "
             f"mutable=False apply is a pure function of its variables, so the new value is "
@@ -319,7 +341,10 @@ class ModuleState:
         module = self.pool.fresh()
         c = ModuleCopy(_OneUse(self.pool), module)
         c.install(values, self.training())
+        before = self.aliases.before(values) if self.aliases else None
         out = module(*args, **kwargs)
+        if before is not None:
+            self.aliases.check(c.slot_values(), before)
         if read_buffers:
             out = (out, self._buffers_after(c))
         return out
@@ -329,6 +354,9 @@ class ModuleState:
         registered again with another shape (a mask or rotary cache grown on demand) is
         accepted at that shape in the calls that are given it back (`check`)."""
         buffers = {name: c.slots[j][0][c.slots[j][1]] for name, j in self.buffer_reads}
+        for name, _ in c.module.named_buffers():
+            if name not in self.buffers:  # registered by forward: variables has no place
+                self.warn_dropped(name, "registered a buffer that variables lacks", new=True)
         for name, t in buffers.items():
             shape = tuple(t.shape)
             if shape != self.shapes["buffers"][name]:
