@@ -636,3 +636,44 @@ def test_torch_jit_trace_of_a_to_torch_call_is_refused(warm):
         torch.jit.trace(lambda x: g(x) + 1, (x,))
     torch.testing.assert_close(f(x, w), torch.tanh(x @ w))  # untraced calls still run
     torch.testing.assert_close(g(x), torch.sin(x))
+
+
+# -- inference tensors as inputs ----------------------------------------------------------
+# A tensor made in torch.inference_mode (a constant) takes no gradient, and torch refuses to
+# save it for a backward; torch itself differentiates sin(x) + b with such a b.
+
+
+@pytest.mark.parametrize("how", ["backward", "create_graph", "torch.func.grad", "forward_ad"])
+def test_an_inference_tensor_beside_a_differentiated_input(how):
+    f = to_torch(lambda x, b: jnp.sin(x) * b)
+    with torch.inference_mode():
+        b = torch.arange(1.0, 5.0)
+    x = torch.linspace(0.0, 1.0, 4, requires_grad=True)
+    if how == "backward":
+        f(x, b).sum().backward()
+        torch.testing.assert_close(x.grad, torch.cos(x.detach()) * b)
+    elif how == "create_graph":
+        (g,) = torch.autograd.grad(f(x, b).sum(), x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), x)
+        torch.testing.assert_close(gg, -torch.sin(x.detach()) * b)
+    elif how == "torch.func.grad":
+        g = torch.func.grad(lambda x: f(x, b).sum())(x.detach())
+        torch.testing.assert_close(g, torch.cos(x.detach()) * b)
+    else:
+        import torch.autograd.forward_ad as fwAD
+
+        with fwAD.dual_level():
+            out = f(fwAD.make_dual(x.detach(), torch.ones(4)), b)
+            torch.testing.assert_close(fwAD.unpack_dual(out).tangent, torch.cos(x.detach()) * b)
+
+
+def test_a_non_array_aux_leaf_is_named_as_an_output_would_be():
+    f = to_torch(lambda x: (x.sum(), {"tag": "a string"}), has_aux=True)
+    with pytest.raises(JaxOutputError, match=r"output\[1\]\['tag'\] is a str"):
+        f(torch.ones(3))
+
+
+def test_a_nested_tensor_argument_is_named_with_the_fix():
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(ConversionError, match=r"args\[1\] is a nested tensor.*unbind"):
+        to_torch(lambda x, y: x)(torch.ones(2), nested)

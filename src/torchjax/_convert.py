@@ -192,8 +192,8 @@ def check_has_data(t: Any, where: str) -> None:
     if isinstance(t, torch.Tensor) and t.is_nested:
         raise ConversionError(
             f"{where} is a nested tensor (torch.nested), whose components differ in shape: no "
-            f"JAX array holds it. Return its components, t.unbind(), or a padded tensor, "
-            f"t.to_padded_tensor(0.0)."
+            f"JAX array holds it. Pass (or return) its components, t.unbind(), or a padded "
+            f"tensor, t.to_padded_tensor(0.0)."
         )
     if isinstance(t, torch.Tensor) and (t.is_meta or is_fake(t) or t.layout != torch.strided):
         kind = "meta" if t.is_meta else "fake" if is_fake(t) else str(t.layout)

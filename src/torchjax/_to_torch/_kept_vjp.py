@@ -16,7 +16,13 @@ import torch
 
 from torchjax._compat._torch import proxy_mode_active
 from torchjax._convert import array_to_tensor, tensor_to_jax
-from torchjax._to_torch._spec import PLAIN_TENSORS, Spec, has_legacy_batched
+from torchjax._to_torch._spec import (
+    PLAIN_TENSORS,
+    Spec,
+    has_legacy_batched,
+    save_inputs,
+    saved_inputs,
+)
 
 
 def keeps_pullback(tensors: tuple | list) -> bool:
@@ -43,7 +49,7 @@ class KeptVjp(torch.autograd.Function):
         outs, ctx.residuals = forward(*spec.arrays_of(tensors))
         results = spec.outputs_of(tensors, outs)
         ctx.spec, ctx.wrt = spec, wrt
-        ctx.save_for_backward(*tensors)  # for a differentiated backward (create_graph)
+        save_inputs(ctx, tensors)  # for a differentiated backward (create_graph)
         nondiff = [o for o, d in zip(results, spec.diff_out, strict=True) if not d]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
@@ -59,7 +65,7 @@ class KeptVjp(torch.autograd.Function):
         if torch.is_grad_enabled() or not keeps_pullback(cts):
             # create_graph=True (a backward torch differentiates), or cotangents torch's
             # legacy vmap batched (is_grads_batched, vectorize=True): the vjp spec.
-            outs = KeptVjp.differentiable(spec, wrt, ctx.saved_tensors, cts)
+            outs = KeptVjp.differentiable(spec, wrt, saved_inputs(ctx), cts)
         else:
             paths = [f"cotangent[{k}]" for k in range(len(cts))]
             arrays = [tensor_to_jax(c, p) for c, p in zip(cts, paths, strict=True)]

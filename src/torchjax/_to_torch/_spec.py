@@ -284,3 +284,22 @@ def run_legacy_batched(
     size = next(p.shape[0] for p, d in zip(physical, dims, strict=True) if d is not None)
     outs = run(spec.batched(tuple(dims), size), tuple(physical))
     return tuple(legacy_add_batch_dim(o, 0, level) for o in outs)
+
+
+def save_inputs(ctx: Any, tensors: tuple) -> None:
+    """ctx.save_for_backward(*tensors), except that inference tensors (made in
+    torch.inference_mode), which torch refuses to save, are kept on ctx as they are: they
+    take no gradient, and have no version counter for saving to check."""
+    for t in tensors:
+        if t.is_inference():
+            ctx.inference_inputs = {i: t for i, t in enumerate(tensors) if t.is_inference()}
+            ctx.save_for_backward(*(None if t.is_inference() else t for t in tensors))
+            return
+    ctx.save_for_backward(*tensors)
+
+
+def saved_inputs(ctx: Any) -> tuple:
+    """The tensors save_inputs saved, in order."""
+    saved = ctx.saved_tensors
+    kept = getattr(ctx, "inference_inputs", None)
+    return saved if kept is None else tuple(kept.get(i, t) for i, t in enumerate(saved))

@@ -27,11 +27,18 @@ from torchjax._compat._torch import (
     jit_tracing,
     plain_function_apply,
 )
-from torchjax._convert import canonical_jax_dtype
+from torchjax._convert import canonical_jax_dtype, check_has_data
 from torchjax._errors import ArgumentError, ConversionError, JaxOutputError, StaticArgumentError
 from torchjax._to_torch._hot_call import MISS, hot_call
 from torchjax._to_torch._kept_vjp import KeptVjp, keeps_pullback
-from torchjax._to_torch._spec import Spec, has_legacy_batched, run_legacy_batched, run_spec
+from torchjax._to_torch._spec import (
+    Spec,
+    has_legacy_batched,
+    run_legacy_batched,
+    run_spec,
+    save_inputs,
+    saved_inputs,
+)
 
 _tree = jax.tree_util
 _x64 = jax_config.enable_x64
@@ -114,7 +121,7 @@ class _JaxFunction(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         spec, *tensors = inputs
         ctx.spec = spec
-        ctx.save_for_backward(*tensors)
+        save_inputs(ctx, tensors)
         ctx.save_for_forward(*tensors)
         nondiff = [o for o, d in zip(output, spec.diff_out, strict=True) if not d]
         if nondiff:
@@ -134,9 +141,9 @@ class _JaxFunction(torch.autograd.Function):
             if _grad_enabled() or functorch_transforms_active() or forward_ad_active():
                 # Through _JaxFunction again, so that the backward is itself differentiable
                 # (create_graph=True, torch.func, forward mode over it).
-                outs = _JaxFunction.apply(vjp, *ctx.saved_tensors, *cts)
+                outs = _JaxFunction.apply(vjp, *saved_inputs(ctx), *cts)
             else:  # nothing records it: Function.apply would only add its own cost
-                outs = run_spec(vjp, (*ctx.saved_tensors, *cts))
+                outs = run_spec(vjp, (*saved_inputs(ctx), *cts))
             for i, g in zip(wrt, outs, strict=True):
                 grads[i] = g
         return (None, *grads)
@@ -148,7 +155,7 @@ class _JaxFunction(torch.autograd.Function):
         del spec_tangent
         spec = ctx.spec
         wrt = tuple(i for i, d in enumerate(spec.diff_in) if d and tangents[i] is not None)
-        primals = ctx.saved_tensors
+        primals = saved_inputs(ctx)
         if wrt:
             ts = [tangents[i] for i in wrt]
             outs = iter(_JaxFunction.apply(spec.jvp(wrt), *primals, *ts))
@@ -183,6 +190,19 @@ def _needs_autograd(tensors: list[torch.Tensor]) -> bool:
             if t.requires_grad:
                 return True
     return functorch_transforms_active() or forward_ad_active()
+
+
+_ARRAY_LIKE = (jax.Array, np.ndarray, np.generic, int, float, complex)
+
+
+def _check_have_data(name: str, args: tuple, kwargs: dict) -> None:
+    """Raise ConversionError naming the first tensor argument with no dense data."""
+    for path, leaf in _tree.tree_flatten_with_path((args, kwargs))[0]:
+        check_has_data(leaf, f"to_torch({name}): {_arg_path(path)}")
+
+
+def _stop_gradient(leaf: Any) -> Any:
+    return jax.lax.stop_gradient(leaf) if isinstance(leaf, _ARRAY_LIKE) else leaf
 
 
 def _build_spec(
@@ -237,12 +257,13 @@ def _build_spec(
                     kind = type(out).__qualname__
                 raise JaxOutputError(_BAD_AUX.format(name=name, kind=kind))
             # aux is a by-product: no gradient flows through it, in JAX's sense too.
-            aux = _tree.tree_map(jax.lax.stop_gradient, out[1])
+            # (Other leaves pass as they are, for the output check below to name.)
+            aux = _tree.tree_map(_stop_gradient, out[1])
             n_aux[0] = len(_tree.tree_leaves(aux))
             out = (out[0], aux)
         out_leaves, tree = _tree.tree_flatten(out)
         for path, o in _tree.tree_flatten_with_path(out)[0]:
-            if not isinstance(o, jax.Array | np.ndarray | np.generic | int | float | complex):
+            if not isinstance(o, _ARRAY_LIKE):
                 kind = type(o).__qualname__
                 raise JaxOutputError(
                     _BAD_OUTPUT.format(name=name, path=_tree.keystr(path), kind=kind)
@@ -363,7 +384,11 @@ def to_torch(jax_fn: Callable[..., Any] | None = None, *, has_aux: bool = False)
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 tensors.append(leaf)
-                key += (leaf.shape, leaf.dtype)
+                try:
+                    key += (leaf.shape, leaf.dtype)
+                except RuntimeError:  # no shape to read: a nested tensor
+                    _check_have_data(name, args, kwargs)
+                    raise
             else:
                 if type(leaf) in _FX_CONTAINERS:
                     return call(*_thaw(args), **_thaw(kwargs))
