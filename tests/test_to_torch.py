@@ -677,3 +677,23 @@ def test_a_nested_tensor_argument_is_named_with_the_fix():
     nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     with pytest.raises(ConversionError, match=r"args\[1\] is a nested tensor.*unbind"):
         to_torch(lambda x, y: x)(torch.ones(2), nested)
+
+
+# -- a backward after the forward's jax.enable_x64 block -----------------------------------
+# The backward runs (converts, traces its VJP) in the x64 mode of the forward.
+
+
+@pytest.mark.parametrize("forward_x64", [True, False], ids=["forward_x64_on", "forward_x64_off"])
+@pytest.mark.parametrize("create_graph", [False, True], ids=["backward", "create_graph"])
+def test_a_backward_outside_the_forwards_x64_mode(forward_x64, create_graph):
+    f = to_torch(lambda x: jnp.sum(x**3))
+    x = torch.tensor([1.5, 2.0], dtype=torch.float64, requires_grad=True)
+    with jax.enable_x64(forward_x64):
+        y = f(x)
+    with jax.enable_x64(not forward_x64):
+        (g,) = torch.autograd.grad(y, x, create_graph=create_graph)
+        if create_graph:
+            (gg,) = torch.autograd.grad(g.sum(), x)
+    torch.testing.assert_close(g.detach(), 3 * x.detach() ** 2, rtol=1e-6, atol=1e-6)
+    if create_graph:
+        torch.testing.assert_close(gg, 6 * x.detach(), rtol=1e-6, atol=1e-6)

@@ -10,6 +10,7 @@
 # the names torchjax uses, resolved once.
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import operator
@@ -380,6 +381,13 @@ jax_config = types.SimpleNamespace(
         _PublicX64(),
     )
 )
+
+
+def x64_as(value: bool) -> Any:
+    """A context in which JAX's x64 flag is `value` (for this thread), as jax.enable_x64."""
+    state = jax_config.enable_x64
+    return state(value) if callable(state) else contextlib.nullcontext()
+
 
 _DLPACK_SLOW = "jax.dlpack and jax.Array.__dlpack__ (about 10 µs more per conversion)"
 dlpack_import = private(

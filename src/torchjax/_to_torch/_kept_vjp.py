@@ -20,6 +20,7 @@ from torchjax._to_torch._spec import (
     PLAIN_TENSORS,
     Spec,
     has_legacy_batched,
+    in_x64_of,
     save_inputs,
     saved_inputs,
 )
@@ -57,6 +58,11 @@ class KeptVjp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple:  # type: ignore[override]
+        with in_x64_of(ctx.spec):
+            return KeptVjp._backward(ctx, cotangents)
+
+    @staticmethod
+    def _backward(ctx: Any, cotangents: tuple) -> tuple:
         spec, wrt = ctx.spec, ctx.wrt
         grads: list[torch.Tensor | None] = [None] * len(spec.in_avals)
         if not wrt:

@@ -7,6 +7,7 @@
 # opaque custom op while torch.compile traces.
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from torchjax._compat._jax import jax_config, x64_as
 from torchjax._compat._torch import (
     LEGACY_VMAP,
     is_legacy_batched,
@@ -52,6 +54,7 @@ class Spec:
         n_aux: int | Callable[[], int] = 0,
     ):
         self.name, self.fn = name, fn
+        self.x64 = _x64.value  # the mode it is traced in, which its derived specs keep
         self.in_avals, self.in_paths = tuple(in_avals), tuple(paths)
         self.out_where = f"{name} output"
         self.jitted = jax.jit(fn)
@@ -284,6 +287,15 @@ def run_legacy_batched(
     size = next(p.shape[0] for p, d in zip(physical, dims, strict=True) if d is not None)
     outs = run(spec.batched(tuple(dims), size), tuple(physical))
     return tuple(legacy_add_batch_dim(o, 0, level) for o in outs)
+
+
+_x64 = jax_config.enable_x64
+
+
+def in_x64_of(spec: Spec) -> Any:
+    """A context in JAX's x64 mode of `spec`'s trace: a backward (or JVP) run after the
+    forward's `with jax.enable_x64(...)` block converts and traces as the forward did."""
+    return contextlib.nullcontext() if _x64.value == spec.x64 else x64_as(spec.x64)
 
 
 def save_inputs(ctx: Any, tensors: tuple) -> None:

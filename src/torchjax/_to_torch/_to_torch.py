@@ -34,6 +34,7 @@ from torchjax._to_torch._kept_vjp import KeptVjp, keeps_pullback
 from torchjax._to_torch._spec import (
     Spec,
     has_legacy_batched,
+    in_x64_of,
     run_legacy_batched,
     run_spec,
     save_inputs,
@@ -131,6 +132,11 @@ class _JaxFunction(torch.autograd.Function):
     def backward(ctx: Any, *cotangents: torch.Tensor) -> tuple:
         """Contract: one cotangent per output (zeros where unused); returns one gradient
         per forward input, `None` for the spec and for inputs that need none."""
+        with in_x64_of(ctx.spec):
+            return _JaxFunction._backward(ctx, cotangents)
+
+    @staticmethod
+    def _backward(ctx: Any, cotangents: tuple) -> tuple:
         spec = ctx.spec
         needs = ctx.needs_input_grad[1:]
         wrt = tuple(i for i, d in enumerate(spec.diff_in) if d and needs[i])
@@ -153,6 +159,11 @@ class _JaxFunction(torch.autograd.Function):
         """Contract: one tangent (or `None`) per forward input; returns one tangent per
         output, `None` for non-differentiable outputs."""
         del spec_tangent
+        with in_x64_of(ctx.spec):
+            return _JaxFunction._jvp(ctx, tangents)
+
+    @staticmethod
+    def _jvp(ctx: Any, tangents: tuple) -> tuple:
         spec = ctx.spec
         wrt = tuple(i for i, d in enumerate(spec.diff_in) if d and tangents[i] is not None)
         primals = saved_inputs(ctx)
