@@ -356,3 +356,17 @@ def test_grad_without_forward_mode_in_torch():
         jax.jvp(f, (x,), (jnp.ones(3),))
     g = torchjax.to_jax(_square_sum, grad_method="autograd")
     tree_close(jax.jvp(g, (x,), (jnp.ones(3),))[1], expected.sum())
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_sparse_gradient_arrives_dense(jit):
+    # nn.Embedding(sparse=True): torch's gradient of the weight is a sparse COO tensor.
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    apply, variables = torchjax.module_to_jax(emb)
+    ids = jnp.asarray([[0, 1, 2], [3, 1, 1]])
+    loss = lambda p: jnp.sum(apply({"params": p, "buffers": {}}, ids) ** 2)
+    grad = jax.jit(jax.grad(loss)) if jit else jax.grad(loss)
+    w = emb.weight.detach().clone().requires_grad_()
+    (F.embedding(torch.tensor(np.asarray(ids)), w) ** 2).sum().backward()
+    tree_close(grad(variables["params"])["weight"], w.grad.numpy())

@@ -861,6 +861,9 @@ class VjpFunction(_Derivative):
             grads = self._batched_pullback(primals, cotangents)
         else:
             grads = self._pullback(primals, cotangents)
+        # A sparse gradient (nn.Embedding(sparse=True)'s) holds the same numbers as the
+        # dense array JAX takes.
+        grads = [g if g.layout is torch.strided else g.to_dense() for g in grads]
         return tuple(map(conj, grads)) if any(map(torch.is_complex, grads)) else tuple(grads)
 
     def _after_taped(
