@@ -697,3 +697,10 @@ def test_a_backward_outside_the_forwards_x64_mode(forward_x64, create_graph):
     torch.testing.assert_close(g.detach(), 3 * x.detach() ** 2, rtol=1e-6, atol=1e-6)
     if create_graph:
         torch.testing.assert_close(gg, 6 * x.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_zero_and_negative_zero_are_different_statics():
+    f = to_torch(lambda x, s: x / s)
+    x = torch.ones(2)
+    assert torch.equal(f(x, 0.0), torch.full((2,), float("inf")))
+    assert torch.equal(f(x, -0.0), torch.full((2,), float("-inf")))

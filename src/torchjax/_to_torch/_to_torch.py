@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Callable
 from typing import Any, overload
@@ -405,6 +406,8 @@ def to_torch(jax_fn: Callable[..., Any] | None = None, *, has_aux: bool = False)
                     return call(*_thaw(args), **_thaw(kwargs))
                 # The type too: 1, 1.0 and True are equal, but trace differently.
                 key += (type(leaf), leaf)
+                if type(leaf) is float and not leaf:  # and 0.0 and -0.0 (1 / x differs)
+                    key.append(math.copysign(1.0, leaf))
         try:
             hit = cache.get(tuple(key))
         except TypeError:  # an unhashable static (_build_spec says which) or symbolic shape
