@@ -261,6 +261,11 @@ def test_static_leaves_of_different_types_are_different_signatures():
     assert full(z, 1).dtype == jnp.int32  # and back
     assert np.signbit(np.asarray(full(z, -0.0))).all()
     assert not np.signbit(np.asarray(full(z, 0.0))).any()
+    # Complex numbers by the sign of each part: 0j == complex(-0.0, 0.0), hashes alike.
+    for c in [0j, complex(-0.0, 0.0), complex(0.0, -0.0), 0j]:
+        out = np.asarray(full(z, c))
+        assert (np.signbit(out.real) == (np.copysign(1, c.real) < 0)).all(), c
+        assert (np.signbit(out.imag) == (np.copysign(1, c.imag) < 0)).all(), c
     # Under jit: closures of each, one jaxpr with both, and jit's own static arguments.
     assert jax.jit(lambda z: full(z, 1))(z).dtype == jnp.int32
     assert jax.jit(lambda z: full(z, 1.0))(z).dtype == jnp.float32

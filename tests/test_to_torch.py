@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import doctest
+import math
 import warnings
 
 import hypothesis.strategies as st
@@ -704,3 +705,69 @@ def test_zero_and_negative_zero_are_different_statics():
     x = torch.ones(2)
     assert torch.equal(f(x, 0.0), torch.full((2,), float("inf")))
     assert torch.equal(f(x, -0.0), torch.full((2,), float("-inf")))
+
+
+def test_complex_statics_differ_by_the_sign_of_a_zero_part():
+    # 0j == complex(-0.0, 0.0) (and their hashes agree), but 1 / their real parts differ.
+    by_real = to_torch(lambda x, c: x / jnp.real(c))
+    by_imag = to_torch(lambda x, c: x / jnp.imag(c))
+    x = torch.ones(1)
+    for c in [0j, complex(-0.0, 0.0), complex(0.0, -0.0), complex(-0.0, -0.0), 0j]:
+        assert np_(by_real(x, c))[0] == math.copysign(math.inf, c.real), c
+        assert np_(by_imag(x, c))[0] == math.copysign(math.inf, c.imag), c
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_python_number_statics_that_dynamo_makes_symbolic(backend):
+    # Dynamo passes a float (and an int after its value changed) as SymFloat/SymInt.
+    g = to_torch(lambda x, n, flag: x**n if flag else x * n)
+    compiled = torch.compile(lambda x, n, flag: g(x, n, flag) + 1, backend=backend)
+    x = torch.tensor([2.0, 3.0], requires_grad=True)
+    for n, flag in [(2, True), (3, True), (0.5, False), (1.5, True), (2.5, True)]:
+        y = compiled(x, n, flag)
+        (dy,) = torch.autograd.grad(y.sum(), x)
+        expected = (x**n if flag else x * n) + 1
+        (dexpected,) = torch.autograd.grad(expected.sum(), x)
+        torch.testing.assert_close(y, expected)
+        torch.testing.assert_close(dy, dexpected)
+
+
+def test_vmap_leaves_outputs_that_depend_on_no_batched_input_unbatched():
+    def jf(x, w):
+        return x * w, jnp.sum(w**2), 3.0 * jnp.ones(2)
+
+    def tf(x, w):  # the same math in torch: the oracle
+        return x * w, (w**2).sum(), 3.0 * torch.ones(2)
+
+    g = to_torch(jf)
+    x, w = torch.randn(4, 3), torch.randn(3)
+    vmap = torch.func.vmap
+    for out_dims in [(0, None, None), 0, (1, None, 0)]:
+        got = vmap(g, (0, None), out_dims)(x, w)
+        expected = vmap(tf, (0, None), out_dims)(x, w)
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b)
+
+    def loss(f):
+        def of_w(w):
+            y, s, c = vmap(f, (0, None), (0, None, None))(x, w)
+            return y.sum() + 2 * s + c.sum()
+
+        return of_w
+
+    torch.testing.assert_close(torch.func.grad(loss(g))(w), torch.func.grad(loss(tf))(w))
+    ones = (torch.ones(3),)
+    torch.testing.assert_close(
+        torch.func.jvp(loss(g), (w,), ones), torch.func.jvp(loss(tf), (w,), ones)
+    )
+    w1, w2 = w.clone().requires_grad_(), w.clone().requires_grad_()
+    loss(g)(w1).backward()
+    loss(tf)(w2).backward()
+    torch.testing.assert_close(w1.grad, w2.grad)
+    ws = torch.randn(5, 3)  # nested, the other way round
+    for a, b in zip(
+        vmap(vmap(g, (0, None)), (None, 0))(x, ws),
+        vmap(vmap(tf, (0, None)), (None, 0))(x, ws),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b)

@@ -152,14 +152,16 @@ def store(cache: dict, key: Any, value: Any) -> None:
 
 def same_static(a: Any, b: Any) -> bool:
     """Static leaves as jax.jit compares static arguments, type included: 1, 1.0 and True
-    differ, though Python's == (and hash) identify them; floats also by sign (-0.0 is not
-    0.0: torch.full((2,), -0.0) differs from torch.full((2,), 0.0))."""
+    differ, though Python's == (and hash) identify them; floats (and complex numbers' parts)
+    also by sign (-0.0 is not 0.0: torch.full((2,), -0.0) differs from torch.full((2,), 0.0))."""
     if a is b:
         return True
     if type(a) is not type(b):
         return False
     if type(a) is float:
         return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    if type(a) is complex:  # both parts by sign: 0j is not complex(-0.0, 0.0)
+        return same_static(a.real, b.real) and same_static(a.imag, b.imag)
     return bool(a == b)
 
 

@@ -194,19 +194,39 @@ class Spec:
 
         return self._derive(("jvp", wrt), build)
 
-    def batched(self, in_dims: tuple[int | None, ...], size: int) -> Spec:
-        """Spec of the function `jax.vmap`ed over `in_dims`; every output batched at 0."""
+    def batched(
+        self, in_dims: tuple[int | None, ...], size: int, keep_unbatched: bool = False
+    ) -> Spec:
+        """Spec of the function `jax.vmap`ed over `in_dims`, every output batched at 0; with
+        `keep_unbatched`, an output that depends on no batched input is left unbatched, as
+        torch.func.vmap leaves it (so `out_dims=None` can take it). The derived spec's
+        `out_axes` says which (0 or None per output)."""
 
         def build() -> Spec:
-            fn = jax.vmap(self.fn, in_axes=in_dims, out_axes=0, axis_size=size)
+            batched = self._batched_outputs(in_dims) if keep_unbatched else None
+            out_axes = tuple(0 if b else None for b in batched) if batched else 0
+            fn = jax.vmap(self.fn, in_axes=in_dims, out_axes=out_axes, axis_size=size)
             avals = []
             for a, d in zip(self.in_avals, in_dims, strict=True):
                 if d is not None:
                     a = jax.ShapeDtypeStruct((*a.shape[:d], size, *a.shape[d:]), a.dtype)
                 avals.append(a)
-            return Spec(f"vmap({self.name})", fn, avals, list(self.in_paths), self.n_aux)
+            spec = Spec(f"vmap({self.name})", fn, avals, list(self.in_paths), self.n_aux)
+            spec.out_axes = out_axes if batched else (0,) * len(spec.out_avals)
+            return spec
 
-        return self._derive(("vmap", in_dims, size), build)
+        return self._derive(("vmap", in_dims, size, keep_unbatched), build)
+
+    def _batched_outputs(self, in_dims: tuple[int | None, ...]) -> tuple[bool, ...]:
+        """Which outputs depend on an input batched in `in_dims`, from the jaxpr: jax.vmap
+        leaves the others unbatched. Conservative where the jaxpr is coarse: each equation's
+        outputs (a scan's, a cond's) depend on all its inputs."""
+        jaxpr = jax.make_jaxpr(self.fn)(*self.in_avals).jaxpr
+        batched = {id(v) for v, d in zip(jaxpr.invars, in_dims, strict=True) if d is not None}
+        for eqn in jaxpr.eqns:
+            if any(id(v) in batched for v in eqn.invars):
+                batched.update(id(v) for v in eqn.outvars)
+        return tuple(id(v) in batched for v in jaxpr.outvars)
 
 
 # torch.compile: tracing runs the function on fake tensors, which have no data for JAX.

@@ -85,20 +85,31 @@ def _arg_path(path: tuple) -> str:
     return head + _tree.keystr(path[1:])
 
 
-_FX_CONTAINERS = (
-    torch.fx.immutable_collections.immutable_dict,
-    torch.fx.immutable_collections.immutable_list,
-)
+# How torch.compile passes what jax's pytrees cannot take as they are: containers as fx's
+# immutable dict/list (jax would treat them as opaque static leaves), and Python numbers
+# that Dynamo made symbolic (automatic dynamic, or dynamic=True) as SymInt/SymFloat/SymBool
+# (unhashable, and no JAX static).
+_THAWED = {
+    torch.fx.immutable_collections.immutable_dict: dict,
+    torch.fx.immutable_collections.immutable_list: list,
+    torch.SymInt: int,
+    torch.SymFloat: float,
+    torch.SymBool: bool,
+}
 
 
 def _thaw(tree: Any) -> Any:
-    """fx's immutable dict/list (how torch.compile passes containers) as plain ones, which
-    jax's pytree registry knows; it would treat the fx types as opaque static leaves."""
+    """`tree` with plain dicts, lists and numbers for torch.compile's (`_THAWED`). A
+    symbolic number becomes its value, which adds a guard to the compiled graph: another
+    value recompiles, as the JAX function needs (a static is compiled in)."""
     if isinstance(tree, dict):
         return {k: _thaw(v) for k, v in tree.items()}
     if isinstance(tree, list):
         return [_thaw(v) for v in tree]
-    return tuple(map(_thaw, tree)) if type(tree) is tuple else tree
+    if type(tree) is tuple:
+        return tuple(map(_thaw, tree))
+    concrete = _THAWED.get(type(tree))
+    return tree if concrete is None else concrete(tree)
 
 
 class _JaxFunction(torch.autograd.Function):
@@ -179,12 +190,13 @@ class _JaxFunction(torch.autograd.Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple, spec: Spec, *tensors: torch.Tensor) -> tuple:
         """Contract: `in_dims` has one entry per forward input (`None`: unbatched); returns
-        the batched outputs and their batch dims. One batched JAX call via jax.vmap."""
+        the outputs and their batch dims (0, or None for an output that depends on no
+        batched input, as torch's own ops leave it). One batched JAX call via jax.vmap."""
         dims = tuple(in_dims[1:])
         if all(d is None for d in dims):
             return _JaxFunction.apply(spec, *tensors), (None,) * len(spec.out_avals)
-        outs = _JaxFunction.apply(spec.batched(dims, info.batch_size), *tensors)
-        return outs, (0,) * len(outs)
+        batched = spec.batched(dims, info.batch_size, keep_unbatched=True)
+        return _JaxFunction.apply(batched, *tensors), batched.out_axes
 
 
 def _differentiable_backward(spec: Spec, wrt: tuple, saved: tuple, cts: list) -> tuple:
@@ -402,12 +414,14 @@ def to_torch(jax_fn: Callable[..., Any] | None = None, *, has_aux: bool = False)
                     _check_have_data(name, args, kwargs)
                     raise
             else:
-                if type(leaf) in _FX_CONTAINERS:
+                if type(leaf) in _THAWED:
                     return call(*_thaw(args), **_thaw(kwargs))
                 # The type too: 1, 1.0 and True are equal, but trace differently.
                 key += (type(leaf), leaf)
                 if type(leaf) is float and not leaf:  # and 0.0 and -0.0 (1 / x differs)
                     key.append(math.copysign(1.0, leaf))
+                elif type(leaf) is complex and not (leaf.real and leaf.imag):  # 0j, -0j, ...
+                    key += (math.copysign(1.0, leaf.real), math.copysign(1.0, leaf.imag))
         try:
             hit = cache.get(tuple(key))
         except TypeError:  # an unhashable static (_build_spec says which) or symbolic shape
