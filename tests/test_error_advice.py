@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import tree_close
+from torch.utils.checkpoint import checkpoint
 
 import torchjax
 from torchjax.errors import (
@@ -67,6 +68,24 @@ def test_traced_python_bool_is_named_with_static_argnames():
     # The advice works:
     tree_close(jax.jit(f, static_argnums=1)(jnp.ones(2), True), -jnp.ones(2))
     tree_close(jax.jit(functools.partial(f, negate=True))(jnp.ones(2)), -jnp.ones(2))
+
+
+def test_traced_python_int_used_as_a_size_is_named_with_static_argnums():
+    f = torchjax.to_jax(lambda x, n: x.repeat(n))
+    x = jnp.array([1.0, 2.0])
+    with pytest.raises(ShapeInferenceError) as info:
+        jax.jit(f)(x, 3)
+    text = str(info.value)
+    assert "args[1]: a Python int the function may use as a size" in text
+    assert "static_argnums" in text
+    # An int array is not a Python number: no such advice for it.
+    with pytest.raises(ShapeInferenceError) as info:
+        jax.jit(f)(x, jnp.array(3, dtype=jnp.int32))
+    assert "Python int" not in str(info.value)
+    # The advice works:
+    want = torch.tensor([1.0, 2.0]).repeat(3).numpy()
+    tree_close(jax.jit(f, static_argnums=1)(x, 3), want)
+    tree_close(jax.jit(functools.partial(f, n=3))(x), want)
 
 
 def test_traced_bool_keyword_of_a_transformers_model():
@@ -306,3 +325,70 @@ def test_bad_arguments_raise_argument_error(make, match):
         make()
     assert isinstance(info.value, TorchJaxError)
     assert isinstance(info.value, TypeError | ValueError)  # the builtin kinds still catch
+
+
+# -- torch.utils.checkpoint ----------------------------------------------------------------
+def _sin_squared_checkpointed(x: torch.Tensor) -> torch.Tensor:
+    return checkpoint(lambda y: torch.sin(y) ** 2, x, use_reentrant=False).sum()
+
+
+def test_hessian_through_checkpoint_names_grad_method_autograd():
+    # torch.func refuses the saved-tensor hooks that non-reentrant checkpoint installs.
+    x = jnp.array([0.3, 0.7, -1.2])
+    with pytest.raises(AutodiffError, match="saved-tensor hooks") as info:
+        jax.hessian(torchjax.to_jax(_sin_squared_checkpointed))(x)
+    assert "grad_method='autograd'" in str(info.value)
+    # The fix it names works, and agrees with torch.autograd's own Hessian:
+    got = jax.hessian(torchjax.to_jax(_sin_squared_checkpointed, grad_method="autograd"))(x)
+    want = torch.autograd.functional.hessian(_sin_squared_checkpointed, torch.tensor(np.asarray(x)))
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+    # ... as do per-example gradients (d/dx sin(x)^2 = sin(2x)):
+    xs = jnp.stack([x, 2 * x])
+    per_example = jax.vmap(
+        jax.grad(torchjax.to_jax(_sin_squared_checkpointed, grad_method="autograd"))
+    )
+    np.testing.assert_allclose(jax.jit(per_example)(xs), jnp.sin(2 * xs), rtol=1e-5, atol=1e-6)
+
+
+class _ReentrantCheckpointed(torch.nn.Module):
+    def __init__(self, use_reentrant: bool):
+        super().__init__()
+        self.lin, self.use_reentrant = torch.nn.Linear(3, 3), use_reentrant
+
+    def forward(self, x):
+        return checkpoint(self.lin, x, use_reentrant=self.use_reentrant)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_reentrant_checkpoint_is_refused_naming_use_reentrant_false(jit):
+    torch.manual_seed(0)
+    x = jnp.ones((2, 3))
+    apply, variables = torchjax.module_to_jax(_ReentrantCheckpointed(use_reentrant=True))
+    grad = jax.grad(lambda v, x: apply(v, x).sum(), argnums=(0, 1))
+    # Eager: AutodiffError; under jit it reaches the caller inside XLA's JaxRuntimeError.
+    with pytest.raises((AutodiffError, RuntimeError)) as info:
+        jax.block_until_ready((jax.jit(grad) if jit else grad)(variables, x))
+    text = str(info.value)
+    assert "AutodiffError" in text or isinstance(info.value, AutodiffError)
+    assert "Pass use_reentrant=False" in text
+    # The fix it names works: the same weights, use_reentrant=False, torch's gradients.
+    torch.manual_seed(0)
+    fixed = _ReentrantCheckpointed(use_reentrant=False)
+    apply, variables = torchjax.module_to_jax(fixed)
+    grad = jax.grad(lambda v, x: apply(v, x).sum(), argnums=(0, 1))
+    got_v, got_x = (jax.jit(grad) if jit else grad)(variables, x)
+    xt = torch.ones(2, 3, requires_grad=True)
+    fixed(xt).sum().backward()
+    np.testing.assert_allclose(got_x, xt.grad.numpy(), rtol=1e-6)
+    for name, p in fixed.named_parameters():
+        np.testing.assert_allclose(got_v["params"][name], p.grad.numpy(), rtol=1e-6)
+
+
+def test_reentrant_checkpoint_of_inputs_that_need_no_grad_keeps_torchs_warning():
+    # torch itself drops the gradient of a weight used inside such a checkpoint (it warns,
+    # and torch.autograd.grad of the output alone raises); docs/limitations.md says so.
+    def f(w, x):
+        return checkpoint(lambda x: (x @ w).sum(), x, use_reentrant=True)
+
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad"):
+        jax.grad(torchjax.to_jax(f))(jnp.eye(2), jnp.ones((1, 2)))

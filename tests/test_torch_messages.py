@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import Cube, Square
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.checkpoint import checkpoint
 
 from torchjax._compat import _jax, _messages, _torch
 
@@ -83,6 +84,12 @@ AUTODIFF = {
     "appears to not have been used in the graph": lambda: torch.autograd.grad(
         (torch.ones(2, requires_grad=True) * 2).sum(), [torch.ones(2, requires_grad=True)]
     ),
+    "support saved tensor hooks": lambda: torch.func.grad(
+        lambda x: checkpoint(torch.sin, x, use_reentrant=False).sum()
+    )(torch.ones(3)),
+    "checkpoint is incompatible with .grad()": lambda: _grad(
+        lambda x: checkpoint(torch.sin, x, use_reentrant=True), torch.ones(3)
+    ),
 }
 
 VMAP = {
@@ -125,6 +132,13 @@ def test_forward_derivative_and_setup_context():
     assert _messages.lacks_forward_derivative(_raised(AUTODIFF["jvp function"]))
     assert _messages.needs_setup_context(_raised(AUTODIFF["setup_context"]))
     assert not _messages.is_autodiff_failure(ValueError("the function's own"))
+
+
+def test_checkpoint_refusals():
+    assert _messages.refuses_saved_tensor_hooks(_raised(AUTODIFF["support saved tensor hooks"]))
+    reentrant = _raised(AUTODIFF["checkpoint is incompatible with .grad()"])
+    assert _messages.is_reentrant_checkpoint(reentrant)
+    assert not _messages.is_reentrant_checkpoint(_raised(AUTODIFF["functorch"]))
 
 
 @pytest.mark.parametrize("phrase", sorted(VMAP))

@@ -84,6 +84,8 @@ AUTODIFF_PHRASES = (
     "does not require grad and does not have a grad_fn",
     "not differentiable",  # "The QR decomposition is not differentiable when ..."
     "appears to not have been used in the graph",
+    "support saved tensor hooks",  # torch.func under torch.utils.checkpoint, save_on_cpu
+    "checkpoint is incompatible with .grad()",  # reentrant checkpoint refusing autograd.grad
 )
 NEEDS_SETUP_CONTEXT = "setup_context"
 # An op refusing a differentiated input: "The function 'native_batch_norm' is not
@@ -126,6 +128,16 @@ SAVED_TENSOR_HOOKS = "saved tensor hooks"
 
 def refuses_saved_tensor_hooks(error: BaseException) -> bool:
     return SAVED_TENSOR_HOOKS in str(error)
+
+
+# torch.utils.checkpoint(use_reentrant=True) refusing torch.autograd.grad, which every
+# torchjax derivative uses: "When use_reentrant=True, torch.utils.checkpoint is
+# incompatible with .grad() or passing an `inputs` parameter to .backward()."
+REENTRANT_CHECKPOINT = "use_reentrant=True, torch.utils.checkpoint is incompatible"
+
+
+def is_reentrant_checkpoint(error: BaseException) -> bool:
+    return REENTRANT_CHECKPOINT in str(error)
 
 
 # -- torch.func.vmap refusing (lower case) -----------------------------------------------

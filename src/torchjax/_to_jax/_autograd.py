@@ -24,6 +24,23 @@ AUTODIFF_HINT = (
     "to_jax(fn, grad_method='autograd'), which uses torch.autograd.grad instead."
 )
 
+SAVED_TENSOR_HOOKS_HINT = (
+    "torch.func could not differentiate {name}: {error}\n"
+    "torch.func does not differentiate through saved-tensor hooks, which "
+    "torch.utils.checkpoint (use_reentrant=False) and torch.autograd.graph.save_on_cpu "
+    "install. to_jax(fn, grad_method='autograd') (or module_to_jax(module, "
+    "grad_method='autograd')) differentiates them with torch.autograd.grad instead."
+)
+
+REENTRANT_CHECKPOINT_HINT = (
+    "torch.autograd could not differentiate {name}: {error}\n"
+    "torchjax computes every derivative with torch.func or torch.autograd.grad, which "
+    "torch.utils.checkpoint(..., use_reentrant=True) does not support (and where none of "
+    "its inputs requires grad, torch drops the gradients of the parameters it uses). "
+    "Pass use_reentrant=False; for Hugging Face models, "
+    "gradient_checkpointing_enable() without gradient_checkpointing_kwargs does."
+)
+
 AUTOGRAD_HINT = "torch.autograd could not differentiate {name}: {error}"
 
 FORWARD_AD_HINT = (

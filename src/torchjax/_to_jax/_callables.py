@@ -55,6 +55,7 @@ from torchjax._compat._messages import (
     is_autodiff_failure,
     is_fake_limit,
     is_nested_fast_path,
+    is_reentrant_checkpoint,
     is_vmap_failure,
     lacks_batching_rule,
     lacks_forward_derivative,
@@ -80,6 +81,8 @@ from torchjax._to_jax._autograd import (
     AUTODIFF_HINT,
     AUTOGRAD_HINT,
     FORWARD_AD_HINT,
+    REENTRANT_CHECKPOINT_HINT,
+    SAVED_TENSOR_HOOKS_HINT,
     autograd_pullback,
     autograd_pullbacks,
     batch_sizes,
@@ -247,6 +250,15 @@ class UserFunction:
         ]
         if flags:
             text += TRACED_FLAG_HINT.format(flags=", ".join(flags))
+        numbers = [
+            self.arg_path(path)
+            for path, leaf in _tree.tree_flatten_with_path(args)[0]
+            if getattr(leaf, "shape", None) == ()
+            and _weak_type(leaf)
+            and np.issubdtype(leaf.dtype, np.integer)
+        ]
+        if numbers:
+            text += TRACED_NUMBER_HINT.format(numbers=", ".join(numbers))
         where = _module_frame(error)
         if where:
             text += f"The fake run stopped in {where}.\n"
@@ -314,6 +326,19 @@ Python bools passed to it (use_cache=False, return_dict=False). Keep such flags 
     jax.jit(f, static_argnames=("use_cache", "return_dict"))
 or bind them beforehand with functools.partial(f, use_cache=False). Otherwise:
 """
+
+TRACED_NUMBER_HINT = """\
+{numbers}: a Python int the function may use as a size, a count or an index arrived as an
+array, because jax.jit traces Python numbers passed to it. Keep such numbers static:
+    jax.jit(f, static_argnums=...) or jax.jit(f, static_argnames=...)
+or bind them beforehand with functools.partial. Otherwise:
+"""
+
+
+def _weak_type(leaf: Any) -> bool:
+    """Whether a traced leaf was a Python number (JAX gives those a weak type)."""
+    return bool(getattr(getattr(leaf, "aval", leaf), "weak_type", False))
+
 
 CUSTOM_OP_HINT = """\
 {op} is a custom operator without a fake kernel, so torchjax cannot find its output types
@@ -439,10 +464,14 @@ class _Derivative(DerivedFunction):
             return self.inner.call_failure(error, in_tree)  # the function's own exception
         if not_differentiable_input(error):
             return AutodiffError(self._not_differentiable(text, in_tree))
-        if self.method == "autograd":
+        if is_reentrant_checkpoint(error):
+            hint = REENTRANT_CHECKPOINT_HINT
+        elif self.method == "autograd":
             hint = AUTOGRAD_HINT
         elif lacks_forward_derivative(error):
             hint = FORWARD_AD_HINT
+        elif refuses_saved_tensor_hooks(error):
+            hint = SAVED_TENSOR_HOOKS_HINT
         else:
             hint = AUTODIFF_HINT
         return AutodiffError(hint.format(name=self.root.name, error=text))
