@@ -261,3 +261,43 @@ def test_unallocated_fake_data_is_a_shape_inference_error_under_jit():
     assert [o.shape for o in f(x, i)] == [(1,), (2,), (2,)]  # eagerly: a real run
     with pytest.raises(ShapeInferenceError, match="not allocated"):
         jax.jit(f)(x, i)
+
+
+def _lazy_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.LazyLinear(3), torch.nn.Tanh())
+
+
+def test_lazy_module_is_refused_before_a_fake_run_and_left_lazy():
+    # A fake run would initialize the lazy parameters without data, and the module's class
+    # and parameters change in place: the user's module would be broken for plain torch too.
+    net = _lazy_net()
+    f = torchjax.to_jax(lambda x: net(x))
+    x = jnp.linspace(-1, 1, 8).reshape(2, 4)
+    for transform in (jax.jit, lambda g: jax.grad(lambda x: g(x).sum())):
+        with pytest.raises(ShapeInferenceError, match="LazyLinear whose parameters are not"):
+            transform(f)(x)
+        assert type(net[0]) is torch.nn.LazyLinear and net[0].has_uninitialized_params()
+    want = net(torch.from_numpy(np.asarray(x)))  # the module still works in torch
+    np.testing.assert_allclose(jax.jit(f)(x), want.detach().numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("first", ["eager", "result_shape_dtypes"])
+def test_lazy_module_under_jit_after_either_fix_the_error_names(first):
+    net = _lazy_net()
+    x = jnp.linspace(-1, 1, 8).reshape(2, 4)
+    if first == "eager":
+        f = torchjax.to_jax(lambda x: net(x))
+        f(x)  # initializes the module, for real
+    else:
+        f = torchjax.to_jax(
+            lambda x: net(x), result_shape_dtypes=jax.ShapeDtypeStruct((2, 3), x.dtype)
+        )
+    got = jax.jit(f)(x)
+    assert type(net[0]) is torch.nn.Linear and not is_fake(net[0].weight)
+    want = net(torch.from_numpy(np.asarray(x)))
+    np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-6)
+    grads = jax.grad(lambda x: jax.jit(f)(x).sum())(x)
+    t = torch.from_numpy(np.asarray(x)).requires_grad_()
+    (want_grad,) = torch.autograd.grad(net(t).sum(), t)
+    np.testing.assert_allclose(grads, want_grad.numpy(), rtol=1e-5)

@@ -36,7 +36,13 @@ from torchjax._compat._torch import (
 )
 from torchjax._errors import StateWarning, VariablesError, warn
 from torchjax._module_to_jax._aliases import AliasWatch, overlapping
-from torchjax._module_to_jax._placeholders import BATCHED, IDLE, placeholder
+from torchjax._module_to_jax._placeholders import (
+    BATCHED,
+    IDLE,
+    DatalessTensor,
+    computed_attributes,
+    placeholder,
+)
 from torchjax._to_jax._fake_run import real_mode
 from torchjax._to_jax._residual import HeldState, KeptGraph, hold, input_view, rebuild_input_view
 from torchjax._to_jax._snapshots import ModulesSnapshot
@@ -180,6 +186,10 @@ def _copy_of(module: torch.nn.Module, placeholders: dict | None = None) -> torch
         memo.setdefault(id(t), t)
     for _, t in module.named_buffers(remove_duplicate=False):
         memo.setdefault(id(t), t)
+    for sub in module.modules():  # a template's placeholders of computed attributes
+        for value in vars(sub).values():
+            if isinstance(value, DatalessTensor):
+                memo.setdefault(id(value), value)
     return copy.deepcopy(module, memo)
 
 
@@ -233,6 +243,7 @@ class ModuleState:
         placeholders = {
             id(t): placeholder(t, idle) for t in (*module.parameters(), *module.buffers())
         }
+        placeholders.update(computed_attributes(module))
         try:
             template = _copy_of(module, placeholders)
         except Exception as e:

@@ -36,6 +36,17 @@ reference kept in __init__ (a list, a closure, another object's attribute), or a
 read after the call returned. Read parameters and buffers through the module's attributes
 (self.weight) when forward runs."""
 
+# `why` of a tensor attribute computed from parameters before module_to_jax (see
+# _copies._computed_attributes).
+COMPUTED = """\
+{{func}} of {module}'s attribute {name}, a tensor computed from the module's parameters
+before module_to_jax (not a parameter or buffer: torch.nn.utils.prune's and the old
+torch.nn.utils.weight_norm's hooks set one). A call's private copy of the module holds it
+without data: the hook that set it computes it again from the call's variables before
+each forward, and this read came before that (or no hook computes it). Compute the tensor
+in forward or in a forward pre-hook, or make it permanent first
+(torch.nn.utils.prune.remove, torch.nn.utils.remove_weight_norm)."""
+
 BATCHED = """\
 {{func}} of a tensor of {module} in a backward under jax.vmap: the forward ran batched under
 torch.func.vmap, and a backward that runs the module again (torch.utils.checkpoint, an
@@ -92,3 +103,21 @@ def placeholder(t: torch.Tensor, why: str) -> torch.Tensor:
         empty = torch.nn.Parameter(empty, requires_grad=t.requires_grad)
         empty.why = why
     return empty
+
+
+def computed_attributes(module: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """Placeholders (id -> tensor) for the tensors computed from parameters that submodules
+    hold as plain attributes: torch.nn.utils.prune's `weight` (weight_orig * weight_mask)
+    and the old torch.nn.utils.weight_norm's, set when the hook is registered. deepcopy
+    refuses such a tensor (it is not a graph leaf), and its graph reaches the module's own
+    parameters, never a call's variables. Their hooks compute them again, from the call's
+    tensors, before each forward reads them; any other read raises (COMPUTED) instead of
+    using a value from outside the call."""
+    found = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for key, value in vars(sub).items():
+            if isinstance(value, torch.Tensor) and not value.is_leaf:
+                where = f"{path}.{key}" if path else key
+                why = COMPUTED.format(module=type(module).__name__, name=where)
+                found.setdefault(id(value), placeholder(value, why))
+    return found

@@ -26,6 +26,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from torchjax._compat._torch import is_fake
 from torchjax._errors import ShapeInferenceError
@@ -160,13 +161,32 @@ clear that cache). So that no fake run happens at all, declare the output types:
 or call the function eagerly (eager calls have data and run for real)."""
 
 
+LAZY = """\
+{name} reaches a {module} whose parameters are not initialized yet (a lazy module: its
+first call makes them, shaped after its input). Finding the output types of {name} (under
+jax.jit or another transform) runs it on tensors without data first, which would make
+that module's parameters without data too, for good. Initialize it before: call {name}
+once eagerly (outside jax.jit and other transforms), or call the module once in torch on
+an example input. Or declare the output types, so that no such run happens and the
+first real call initializes the module:
+
+    to_jax(fn, result_shape_dtypes=jax.ShapeDtypeStruct(shape, dtype))"""
+
+
 class FakeRunState:
     """Around one fake run of `fn`: puts back reachable modules' state afterwards, and
-    checks that no fake tensor made during the run (`track` them) is still alive."""
+    checks that no fake tensor made during the run (`track` them) is still alive.
+
+    Raises ShapeInferenceError (LAZY) where `fn` reaches a lazy module not initialized yet:
+    initializing changes the module's class and its parameters in place, which no
+    snapshot puts back."""
 
     def __init__(self, fn: Any, name: str, isolated: bool = False):
         self.name = name
         found = Reachable(None if isolated else fn)
+        for m in found.modules:
+            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+                raise ShapeInferenceError(LAZY.format(name=name, module=type(m).__name__))
         self.snapshots, self.caches = found.snapshots, found.caches
         self.sizes = [_cache_size(c) for c in self.caches]
         self.made: list[weakref.ref] = []
