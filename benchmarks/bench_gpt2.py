@@ -4,7 +4,9 @@
 # tokens; the loss is next-token cross entropy. torchjax: jax.jit of value_and_grad of the
 # loss computed in JAX from apply's logits, then optax.adamw's update, the params donated.
 # torch: forward, the same loss, backward, torch.optim.AdamW(fused=True) (torch's fastest
-# step), zero_grad(set_to_none=True). Times are paired in one process. Memory: each side in
+# step), zero_grad(set_to_none=True). Times are paired in one process; a second pair times
+# both without the optimizer (forward, loss and gradients: what the bridge does), and the
+# difference of the two pairs is each optimizer's update. Memory: each side in
 # a fresh process, malloc's bytes in use (glibc's mallinfo2, which torch's and XLA's CPU
 # buffers both come from) at rest after two warm-up steps, and the peak sampled every
 # 0.2 ms over the next steps; torchjax with copy=True (the module keeps its weights beside
@@ -114,26 +116,55 @@ def _memory(side: str, config: dict, copy: bool | str = True, steps: int = 3) ->
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _paired_steps(config: dict) -> tuple:
-    """Both steps in this process, timed alternately (run in a child: see measure)."""
+# The gradients alone, without the optimizer: what the bridge itself does in a step.
+_JAX_GRADS = r"""
+grads_only = jax.jit(jax.value_and_grad(loss))
+
+def run_grads():
+    value, grads = grads_only(state[0], ids_j)
+    jax.block_until_ready(grads)
+    return float(value)
+"""
+
+_TORCH_GRADS = r"""
+def run_grads():
+    logits = model(ids, return_dict=False, use_cache=False)[0]
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    value = -logp.gather(-1, ids[:, 1:, None]).mean()
+    value.backward()
+    model.zero_grad(set_to_none=True)
+    return value.item()
+"""
+
+
+def _paired_steps(config: dict) -> list:
+    """Both steps in this process, timed alternately (run in a child: see measure); then
+    both without their optimizers (forward, loss and gradients only)."""
     namespace: dict = {}
-    exec(_script("torch", config), namespace)
+    exec(_script("torch", config) + _TORCH_GRADS, namespace)
     torch_run = namespace["run"]
     namespace_jax: dict = {}
-    exec(_script("jax", config, copy="move"), namespace_jax)
+    exec(_script("jax", config, copy="move") + _JAX_GRADS, namespace_jax)
     jax_run = namespace_jax["run"]
     first = (torch_run(), jax_run())  # same weights and data: the same first loss
     if abs(first[0] - first[1]) > 1e-3 * abs(first[0]):
         raise AssertionError(f"the two steps start from different losses: {first}")
-    return paired_row(
+    step = paired_row(
         "jax.jit(value_and_grad + optax.adamw) via module_to_jax",
         jax_run,
         "torch forward, loss, backward, AdamW(fused=True) step",
         torch_run,
     )
+    grads = paired_row(
+        "jax.jit(value_and_grad) via module_to_jax, no optimizer",
+        namespace_jax["run_grads"],
+        "torch forward, loss, backward, no optimizer",
+        namespace["run_grads"],
+    )
+    return [step, grads]
 
 
-def _timed_in_child(config: dict) -> tuple:
+def _timed_in_child(config: dict) -> list:
     # A fresh process: two GPT-2s, their optimizer states and JAX's compiled step stay out
     # of the caller's (compare.py's later benchmarks ran several times slower beside them).
     here = str(Path(__file__).resolve().parent)
@@ -145,26 +176,35 @@ def _timed_in_child(config: dict) -> tuple:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"the timing process failed:\n{proc.stderr[-3000:]}")
-    return tuple(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return [tuple(row) for row in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
 def measure(small: bool | None = None) -> dict:
     if small is None:  # compare.py --quick (2 repeats): the small model
         small = _timing.REPEAT <= 2
     config = SMALL if small else FULL
-    time_row = _timed_in_child(config)
+    time_rows = _timed_in_child(config)
     memory = {
         "torch": _memory("torch", config),
         "torchjax, copy=True": _memory("jax", config, copy=True),
         'torchjax, copy="move"': _memory("jax", config, copy="move"),
     }
-    return {"small": small, "time": time_row, "memory": memory}
+    return {"small": small, "time": time_rows, "memory": memory}
 
 
 def format_results(result: dict) -> str:
     size = "2 layers, 128 wide" if result["small"] else "124M parameters"
     title = f"GPT-2 ({size}), batch {BATCH} x {SEQ} tokens, AdamW"
-    out = format_table(title, [result["time"]])
+    step, grads = result["time"]
+    out = format_table(title, [step, grads])
+    # The optimizer's part of a step: the step less its gradients, on each side.
+    jax_update, torch_update = step[1] - grads[1], step[3] - grads[3]
+    out += (
+        f"\n\nThe optimizer's update (a step's median less its gradients' median): "
+        f"optax.adamw in XLA {jax_update * 1e3:,.1f} ms, torch's AdamW(fused=True) "
+        f"{torch_update * 1e3:,.1f} ms, {(jax_update - torch_update) * 1e3:+,.1f} ms of the "
+        f"{(step[1] - step[3]) * 1e3:+,.1f} ms between the steps.\n"
+    )
     torch_mem = result["memory"]["torch"]
     rows = [
         f"\nMemory in use (MiB), {size}, each side a fresh process:",

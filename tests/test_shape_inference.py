@@ -275,7 +275,9 @@ def test_lazy_module_is_refused_before_a_fake_run_and_left_lazy():
     f = torchjax.to_jax(lambda x: net(x))
     x = jnp.linspace(-1, 1, 8).reshape(2, 4)
     for transform in (jax.jit, lambda g: jax.grad(lambda x: g(x).sum())):
-        with pytest.raises(ShapeInferenceError, match="LazyLinear whose parameters are not"):
+        with pytest.raises(
+            ShapeInferenceError, match="calls a LazyLinear whose parameters are not"
+        ):
             transform(f)(x)
         assert type(net[0]) is torch.nn.LazyLinear and net[0].has_uninitialized_params()
     want = net(torch.from_numpy(np.asarray(x)))  # the module still works in torch
@@ -301,3 +303,13 @@ def test_lazy_module_under_jit_after_either_fix_the_error_names(first):
     t = torch.from_numpy(np.asarray(x)).requires_grad_()
     (want_grad,) = torch.autograd.grad(net(t).sum(), t)
     np.testing.assert_allclose(grads, want_grad.numpy(), rtol=1e-5)
+
+
+def test_a_lazy_module_the_function_does_not_call_stays_lazy_and_is_no_obstacle():
+    heads = {"used": torch.nn.Linear(4, 3), "unused": torch.nn.LazyLinear(5)}
+    f = jax.jit(torchjax.to_jax(lambda x: heads["used"](x)))
+    x = jnp.linspace(-1, 1, 8).reshape(2, 4)
+    want = heads["used"](torch.from_numpy(np.asarray(x))).detach().numpy()
+    np.testing.assert_allclose(f(x), want, rtol=1e-6)
+    assert type(heads["unused"]) is torch.nn.LazyLinear
+    assert heads["unused"].has_uninitialized_params()

@@ -212,6 +212,14 @@ def proxy_mode_active() -> bool:
     return _get_dispatch_mode(_PROXY_KEY) is not None
 
 
+_FAKE_KEY = private("torch._C._TorchDispatchModeKey.FAKE")
+
+
+def fake_mode_active() -> bool:
+    """Whether a FakeTensorMode is set on this thread (torch computes without data)."""
+    return _get_dispatch_mode(_FAKE_KEY) is not None
+
+
 # Whether torch.jit.trace is recording (its tracing state, None when not): the C call
 # behind torch.jit.is_tracing, without its Python frame.
 jit_tracing = or_(

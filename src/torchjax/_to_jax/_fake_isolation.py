@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from torchjax._compat._torch import is_fake
+from torchjax._compat._torch import fake_mode_active, is_fake
 from torchjax._errors import ShapeInferenceError
 from torchjax._to_jax._snapshots import (
     TORCH_ENTRIES,
@@ -162,7 +162,7 @@ or call the function eagerly (eager calls have data and run for real)."""
 
 
 LAZY = """\
-{name} reaches a {module} whose parameters are not initialized yet (a lazy module: its
+{name} calls a {module} whose parameters are not initialized yet (a lazy module: its
 first call makes them, shaped after its input). Finding the output types of {name} (under
 jax.jit or another transform) runs it on tensors without data first, which would make
 that module's parameters without data too, for good. Initialize it before: call {name}
@@ -173,20 +173,33 @@ first real call initializes the module:
     to_jax(fn, result_shape_dtypes=jax.ShapeDtypeStruct(shape, dtype))"""
 
 
+def _refuse_in_fake_runs(name: str) -> Any:
+    """A forward pre-hook, ahead of a lazy module's own: refuses to initialize it in a fake
+    run (a call of the module from another thread, for real, passes)."""
+
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        if fake_mode_active() and module.has_uninitialized_params():
+            raise ShapeInferenceError(LAZY.format(name=name, module=type(module).__name__))
+
+    return hook
+
+
 class FakeRunState:
     """Around one fake run of `fn`: puts back reachable modules' state afterwards, and
     checks that no fake tensor made during the run (`track` them) is still alive.
 
-    Raises ShapeInferenceError (LAZY) where `fn` reaches a lazy module not initialized yet:
-    initializing changes the module's class and its parameters in place, which no
-    snapshot puts back."""
+    A lazy module `fn` reaches, not initialized yet, raises ShapeInferenceError (LAZY) if
+    the run calls it: initializing changes the module's class and its parameters in place,
+    which no snapshot puts back."""
 
     def __init__(self, fn: Any, name: str, isolated: bool = False):
         self.name = name
         found = Reachable(None if isolated else fn)
-        for m in found.modules:
-            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
-                raise ShapeInferenceError(LAZY.format(name=name, module=type(m).__name__))
+        self.lazy_guards = [
+            m.register_forward_pre_hook(_refuse_in_fake_runs(name), prepend=True)
+            for m in found.modules
+            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()
+        ]
         self.snapshots, self.caches = found.snapshots, found.caches
         self.sizes = [_cache_size(c) for c in self.caches]
         self.made: list[weakref.ref] = []
@@ -196,6 +209,8 @@ class FakeRunState:
             self.made.append(weakref.ref(t))
 
     def restore(self) -> None:
+        for handle in self.lazy_guards:
+            handle.remove()
         for s in self.snapshots:
             if s.changed():
                 s.restore()
