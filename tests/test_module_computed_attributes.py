@@ -197,3 +197,24 @@ def test_old_weight_norm_forward_over_reverse_with_grad_method_autograd():
     )
     for k, w in zip(names, want, strict=True):
         np.testing.assert_allclose(got[k], w.numpy(), rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+@pytest.mark.parametrize("make", [_pruned, _old_weight_norm], ids=["prune", "old_weight_norm"])
+def test_move_moves_the_parameters_a_computed_attribute_was_made_from(make):
+    module = make()
+    x = torch.from_numpy(X)
+    want = module(x).detach().numpy()
+    addresses = {k: p.data_ptr() for k, p in module.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchjax.errors.CopyWarning)  # nothing left to alias
+        apply, variables = torchjax.module_to_jax(module, copy="move")
+    for k, ptr in addresses.items():
+        assert variables["params"][k].unsafe_buffer_pointer() == ptr, k  # moved, not copied
+    np.testing.assert_allclose(apply(variables, jnp.asarray(X)), want, rtol=1e-6)
+    with pytest.raises(VariablesError, match=r'the tensor weight computed from parameters.*"move"'):
+        module.weight + 1
+    # The way back the error gives: load the weights, and the hook computes weight again.
+    module.load_state_dict(
+        torchjax.tree_to_torch({**variables["params"], **variables["buffers"]}), assign=True
+    )
+    np.testing.assert_allclose(module(x).detach().numpy(), want, rtol=1e-6)

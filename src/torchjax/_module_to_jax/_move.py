@@ -49,11 +49,19 @@ def move_out(module: torch.nn.Module, groups: dict[str, dict[str, torch.Tensor]]
         for name, t in tensors.items():
             where = f"variables[{group!r}][{name!r}]"
             placeholders[id(t)] = placeholder(t, MOVED.format(name=where, module=kind))
-    for m in module.modules():
+    for path, m in module.named_modules():
         for slots in (module_parameters(m), module_buffers(m)):
             for key, t in slots.items():
                 if t is not None:
                     slots[key] = placeholders[id(t)]
+        # A tensor computed from parameters held as an attribute (prune's and the old
+        # weight_norm's `weight`): its graph holds the parameters, an alias a move must not
+        # leave; the module's hook computes it again once the weights are back.
+        for key, value in list(vars(m).items()):
+            if isinstance(value, torch.Tensor) and not value.is_leaf:
+                name = f"the tensor {path + '.' if path else ''}{key} computed from parameters"
+                vars(m)[key] = placeholder(value, MOVED.format(name=name, module=kind))
+        value = None  # the loop's last reference: the graph goes now
     variables: dict[str, dict[str, Any]] = {}
     copied: list[str] = []
     for group, tensors in groups.items():
