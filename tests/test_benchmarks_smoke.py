@@ -35,7 +35,8 @@ def test_compare_quick_runs_and_renders(tmp_path):
     assert "| call | elements (float32) | median µs |" in out
     assert out.count("| case | median µs | baseline | baseline µs | ratio |") == 14
     assert '| torchjax, copy="move" |' in out  # bench_gpt2's memory table
-    assert "no optimizer | torch forward, loss, backward, no optimizer |" in out
+    assert "| jax.jit(value_and_grad) via module_to_jax, no optimizer |" in out
+    assert "| torch forward, loss, backward, no optimizer |" in out
     assert "The optimizer's update (a step's median less" in out
     assert "| elements | native torch | to_jax eager | jax.jit(to_jax) |" in out
     assert "| 256 |" in out and "| 4,096 |" not in out
