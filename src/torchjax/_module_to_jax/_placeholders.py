@@ -37,7 +37,7 @@ read after the call returned. Read parameters and buffers through the module's a
 (self.weight) when forward runs."""
 
 # `why` of a tensor attribute computed from parameters before module_to_jax (see
-# _copies._computed_attributes).
+# computed_attributes below).
 COMPUTED = """\
 {{func}} of {module}'s attribute {name}, a tensor computed from the module's parameters
 before module_to_jax (not a parameter or buffer: torch.nn.utils.prune's and the old
