@@ -22,7 +22,7 @@ import torch
 from torchjax._compat._torch import module_buffers, module_parameters
 from torchjax._convert import tensors_to_jax
 from torchjax._errors import CopyWarning, warn
-from torchjax._module_to_jax._placeholders import MOVED, placeholder
+from torchjax._module_to_jax._placeholders import MOVED, computed_tensor_attributes, placeholder
 from torchjax._to_jax._guard import owns_memory_alone
 
 _HELD = """\
@@ -49,19 +49,18 @@ def move_out(module: torch.nn.Module, groups: dict[str, dict[str, torch.Tensor]]
         for name, t in tensors.items():
             where = f"variables[{group!r}][{name!r}]"
             placeholders[id(t)] = placeholder(t, MOVED.format(name=where, module=kind))
-    for path, m in module.named_modules():
+    for _, m in module.named_modules():
         for slots in (module_parameters(m), module_buffers(m)):
             for key, t in slots.items():
                 if t is not None:
                     slots[key] = placeholders[id(t)]
-        # A tensor computed from parameters held as an attribute (prune's and the old
-        # weight_norm's `weight`): its graph holds the parameters, an alias a move must not
-        # leave; the module's hook computes it again once the weights are back.
-        for key, value in list(vars(m).items()):
-            if isinstance(value, torch.Tensor) and not value.is_leaf:
-                name = f"the tensor {path + '.' if path else ''}{key} computed from parameters"
-                vars(m)[key] = placeholder(value, MOVED.format(name=name, module=kind))
-        value = None  # the loop's last reference: the graph goes now
+    # A tensor computed from parameters held as an attribute (prune's and the old
+    # weight_norm's `weight`): its graph holds the parameters, an alias a move must not
+    # leave; the module's hook computes it again once the weights are back.
+    for m, key, where, value in computed_tensor_attributes(module):
+        name = f"the tensor {where} computed from parameters"
+        vars(m)[key] = placeholder(value, MOVED.format(name=name, module=kind))
+    value = None  # the loop's last reference: the graph goes now
     variables: dict[str, dict[str, Any]] = {}
     copied: list[str] = []
     for group, tensors in groups.items():

@@ -10,6 +10,7 @@
 # module_to_jax(copy="move").
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -114,10 +115,20 @@ def computed_attributes(module: torch.nn.Module) -> dict[int, torch.Tensor]:
     tensors, before each forward reads them; any other read raises (COMPUTED) instead of
     using a value from outside the call."""
     found = {}
-    for path, sub in module.named_modules(remove_duplicate=False):
-        for key, value in vars(sub).items():
-            if isinstance(value, torch.Tensor) and not value.is_leaf:
-                where = f"{path}.{key}" if path else key
-                why = COMPUTED.format(module=type(module).__name__, name=where)
-                found.setdefault(id(value), placeholder(value, why))
+    for _, _, where, value in computed_tensor_attributes(module, remove_duplicate=False):
+        why = COMPUTED.format(module=type(module).__name__, name=where)
+        found.setdefault(id(value), placeholder(value, why))
     return found
+
+
+def computed_tensor_attributes(
+    module: torch.nn.Module, remove_duplicate: bool = True
+) -> Iterator[tuple[torch.nn.Module, str, str, torch.Tensor]]:
+    """(submodule, attribute, dotted name from `module`, tensor) for each tensor that a
+    submodule of `module` holds as a plain attribute and that is not a graph leaf: one
+    computed from parameters (see computed_attributes). Parameters and buffers live in
+    their own dicts, not here."""
+    for path, sub in module.named_modules(remove_duplicate=remove_duplicate):
+        for key, value in list(vars(sub).items()):
+            if isinstance(value, torch.Tensor) and not value.is_leaf:
+                yield sub, key, f"{path}.{key}" if path else key, value
