@@ -36,6 +36,7 @@ from torchjax._compat._torch import (
 )
 from torchjax._errors import StateWarning, VariablesError, warn
 from torchjax._module_to_jax._aliases import AliasWatch, overlapping
+from torchjax._module_to_jax._closures import rebind_closures
 from torchjax._module_to_jax._placeholders import (
     BATCHED,
     IDLE,
@@ -190,7 +191,9 @@ def _copy_of(module: torch.nn.Module, placeholders: dict | None = None) -> torch
         for value in vars(sub).values():
             if isinstance(value, DatalessTensor):
                 memo.setdefault(id(value), value)
-    return copy.deepcopy(module, memo)
+    copied = copy.deepcopy(module, memo)
+    rebind_closures(copied, memo)  # lambdas and hooks that close over the module or its tensors
+    return copied
 
 
 _COPY_FAILED = (
