@@ -141,6 +141,80 @@ def test_dropout_rng_reproducible_and_global_rng_without_key():
     assert not np.array_equal(rows[0], rows[1])
 
 
+@pytest.mark.parametrize("callback", ["buffer_callback", "pure_callback"])
+def test_two_unseeded_draws_in_one_jit_draw_twice(callback, monkeypatch):
+    """Two calls on the same inputs inside one jax.jit draw two masks, as two torch calls
+    and two eager calls do (XLA merged the two identical callbacks into one: an R-Drop
+    consistency loss was 0 and its gradient too). The same sequence as torch's from a seed."""
+    from torchjax._to_jax import _rule_lowering
+
+    if callback == "pure_callback":
+        monkeypatch.setattr(_rule_lowering, "USE_BUFFER_CALLBACK", False)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5)).train()
+    apply, variables = torchjax.module_to_jax(net)
+    x = jnp.ones((3, 4))
+    pair = jax.jit(lambda v, x: (apply(v, x), apply(v, x)))
+    pair(variables, x)  # compiled (its fake run draws nothing)
+    torch.manual_seed(7)
+    first, second = pair(variables, x)
+    torch.manual_seed(7)
+    expected = [net(torch.ones(3, 4)).detach().numpy() for _ in range(2)]
+    assert not np.array_equal(expected[0], expected[1])
+    np.testing.assert_allclose(first, expected[0], rtol=1e-6)
+    np.testing.assert_allclose(second, expected[1], rtol=1e-6)
+    # A gradient through the difference of the two draws is not zero either.
+    v = lambda p: {"params": p, "buffers": {}}
+    loss = lambda p, x: jnp.sum((apply(v(p), x) - apply(v(p), x)) ** 2)
+    grads = jax.jit(jax.grad(loss))(variables["params"], x)
+    assert float(jnp.abs(grads["0.weight"]).sum()) > 0
+    f = torchjax.to_jax(lambda t: torch.nn.functional.dropout(t, 0.5))
+    assert float(jnp.abs(jax.jit(lambda x: f(x) - f(x))(jnp.ones(64))).max()) > 0
+    # Declared types: no fake run tells whether it draws; staged as drawing all the same.
+    like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    g = torchjax.to_jax(lambda t: torch.nn.functional.dropout(t, 0.5), result_shape_dtypes=like)
+    assert float(jnp.abs(jax.jit(lambda x: g(x) - g(x))(jnp.ones(64))).max()) > 0
+
+
+class _RunningMax(torch.nn.Module):
+    """Dropout, then a buffer written only for some inputs (an observer's running max)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(4, 4)
+        self.d = torch.nn.Dropout(0.5)
+        self.register_buffer("mx", torch.ones(()))
+
+    def forward(self, x):
+        h = self.d(self.l(x))
+        m = h.abs().max()
+        if m > self.mx:
+            self.mx.copy_(m)
+        return h / self.mx
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_run_again_on_buffer_copies_keeps_the_first_runs_draws(jit):
+    """A write into a buffer that the mode had not made before runs forward again on copies:
+    with the generator as the first run found it, so the masks and the generator's sequence
+    are torch's from the same seed (the run again drew a second mask)."""
+    torch.manual_seed(0)
+    model = _RunningMax().train()
+    reference = copy.deepcopy(model)
+    declared = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # the branch is on values
+    apply, variables = torchjax.module_to_jax(model, result_shape_dtypes=declared)
+    call = lambda v, x: apply(v, x, mutable=True)
+    call = jax.jit(call) if jit else call
+    small = np.full((3, 4), 0.01, np.float32)
+    big = np.full((3, 4), 10.0, np.float32) * np.arange(1, 5, dtype=np.float32)
+    torch.manual_seed(123)
+    outs = [np.asarray(call(variables, jnp.asarray(x))[0]) for x in (small, big, small)]
+    torch.manual_seed(123)
+    for x, out in zip((small, big, small), outs, strict=True):
+        reference.mx.fill_(1.0)  # apply got the same buffers each time (not threaded)
+        np.testing.assert_allclose(out, reference(torch.from_numpy(x)).detach().numpy(), rtol=1e-6)
+
+
 @pytest.mark.parametrize(
     "bad, got",
     [

@@ -484,3 +484,19 @@ def swap_storage_data(storage: Any, other: Any) -> bool:
 
 
 check_required(f"torch {torch.__version__}")
+
+
+def generator_states(tensors: list[torch.Tensor]) -> list[tuple[torch.Generator, torch.Tensor]]:
+    """(generator, state) of torch's default generators that a call on `tensors` may draw
+    from: the CPU one, and each CUDA device's among the tensors."""
+    states = [(torch.default_generator, torch.default_generator.get_state())]
+    for index in {t.device.index for t in tensors if t.device.type == "cuda"}:
+        generator = torch.cuda.default_generators[index or 0]
+        states.append((generator, generator.get_state()))
+    return states
+
+
+def restore_generators(states: list | None) -> None:
+    """Put back the states generator_states took (none where None)."""
+    for generator, state in states or ():
+        generator.set_state(state)

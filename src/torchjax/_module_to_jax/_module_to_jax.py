@@ -26,8 +26,10 @@ from torchjax._compat._messages import is_write_refusal
 from torchjax._compat._torch import (
     compiled_original,
     detect_fake_mode,
+    generator_states,
     is_fake,
     is_functorch_wrapped,
+    restore_generators,
     tensor_version,
 )
 from torchjax._convert import tensors_to_jax
@@ -147,10 +149,15 @@ class _Apply:
             copied = self.copies_buffers(mode)
             if copied:
                 values = _copy_buffers(values, state.n_params)
+            # A write into a buffer that this mode has not made before runs forward again
+            # on copies: with the first run's draws, as torch drew once (a seed replays).
+            first = state.buffers and not copied and seed is None
+            states = generator_states(values) if first else None
             try:
                 out = run(args, kwargs, values, seed)
             except RuntimeError as e:
                 values, copied = self.copies_after(e, mode, copied, originals), True
+                restore_generators(states)
                 out = run(args, kwargs, values, seed)
             if copied:
                 self._learn_writes(mode, originals, values, mutable)
@@ -274,11 +281,13 @@ def _flat_forward(impl: _Apply, in_tree: Any, template: list, mutable: bool) -> 
         if copied:
             values = _copy_buffers(values, n_params)
         a, kw = rebuild(tensors)
+        states = generator_states(values) if has_buffers and not copied else None  # as forward
         try:
             out = state.call(a, kw, values, mutable)
         except RuntimeError as e:
             originals = [tensors[k] for k in slot_tensors]
             values, copied = impl.copies_after(e, mode, copied, originals), True
+            restore_generators(states)
             out = state.call(a, kw, values, mutable)
         if copied:
             impl._learn_writes(mode, [tensors[k] for k in slot_tensors], values, mutable)

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 import torch
+from jax.experimental import io_callback
 
 from torchjax._compat._torch import (
     any_autocast,
@@ -93,15 +94,20 @@ def callback_call(
     out_paths: Sequence[str],
     share_outputs: bool = False,
     plan: CallPlan | None = None,
+    draws: bool = False,
 ) -> list[Any]:
     """Stage a host call of `run` into the current JAX trace; returns the flat outputs.
 
     With `share_outputs` (a VJP through a kept graph), XLA's output buffers are offered to
     the call (OUTPUT_BUFFERS): a gradient it writes there itself, returned as that buffer,
     is not copied again, and torch's own is freed as soon as it was written. A plain
-    `plan` (see CallPlan.plain) whose `run` this is has its call inlined (_plain_host)."""
+    `plan` (see CallPlan.plain) whose `run` this is has its call inlined (_plain_host).
+    A call that `draws` random numbers from torch's generator is staged as having a side
+    effect: XLA would otherwise merge two such calls on the same inputs into one (two
+    dropout masks would be one), or drop one whose outputs go unused."""
     if not USE_BUFFER_CALLBACK:
-        return _pure_callback_call(_notes_in_message(run), operands, out_structs, out_paths)
+        run = _notes_in_message(run)
+        return _pure_callback_call(run, operands, out_structs, out_paths, draws)
     on_cpu = None  # fixed by the first call: a buffer_callback is lowered for one platform
     # One output of a fixed dtype: its copy without the loop, measured 0.5 µs (4%) faster.
     one_out = torch_dtype(out_structs[0].dtype) if len(out_structs) == 1 else None
@@ -168,8 +174,8 @@ def callback_call(
             )
 
     if plan is not None and plan.plain and not share_outputs:
-        return buffer_callback(_plain_host(plan, host), list(out_structs))(*operands)
-    return buffer_callback(host, list(out_structs))(*operands)
+        host = _plain_host(plan, host)
+    return buffer_callback(host, list(out_structs), has_side_effect=draws)(*operands)
 
 
 def _plain_host(plan: CallPlan, host: Callable) -> Callable:
@@ -350,7 +356,7 @@ def _write_all(results: Sequence, outs: Sequence, out_paths: Sequence[str], wrap
         write_output(wrap(buf), value, where)
 
 
-def _pure_callback_call(run, operands, out_structs, out_paths):
+def _pure_callback_call(run, operands, out_structs, out_paths, draws=False):
     def host(*arrays: np.ndarray) -> list[np.ndarray]:
         tensors = [array_to_tensor(a) for a in arrays]  # the one numpy conversion
         results = []
@@ -363,6 +369,8 @@ def _pure_callback_call(run, operands, out_structs, out_paths):
                 results.append(dst.numpy())
         return results
 
+    if draws:  # not pure: two calls on the same inputs draw twice (see callback_call)
+        return io_callback(host, list(out_structs), *operands, ordered=False)
     return jax.pure_callback(host, list(out_structs), *operands, vmap_method="sequential")
 
 
@@ -377,5 +385,9 @@ def lowering(*args: Any, fn: Any, options: Any, signature: Any) -> Any:
         or type(fn) is BatchedTapedVjp
         or (type(fn) is RecordedForward and fn.keep_graph)  # writes its outputs there
     )
-    outs = callback_call(plan.run, operands, plan.structs, plan.out_paths, share, plan)
+    # The user's function, whose fake run saw whether it draws; without one (declared
+    # result_shape_dtypes, a seeded call) it may: merging two calls costs more than it saves.
+    root = getattr(fn, "root", None)
+    draws = root is not None and root.facts.get("draws", True)
+    outs = callback_call(plan.run, operands, plan.structs, plan.out_paths, share, plan, draws)
     return jax.tree_util.tree_unflatten(plan.out_tree, outs)
