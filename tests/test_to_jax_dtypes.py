@@ -180,3 +180,25 @@ def test_random_pytrees_match_torch(spec, k, use_jit):
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
     for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
         np.testing.assert_allclose(to_numpy(g), to_numpy(w), rtol=1e-2)
+
+
+def test_a_new_trace_after_set_default_dtype_finds_the_new_types():
+    """torch.ones(3) follows torch's default dtype: a trace after torch.set_default_dtype
+    finds its output types again (they were kept from the first trace, and the call
+    failed). Reference: the function called in torch under the same default."""
+    fn = lambda x: torch.ones(3) * x.sum()
+    f = torchjax.to_jax(fn)
+    with jax.enable_x64(True):
+        x = jnp.ones(2, jnp.float64)
+        assert jax.jit(f)(x).dtype == jnp.float32
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            want = fn(torch.ones(2, dtype=torch.float64)).numpy()
+            assert want.dtype == np.float64
+            for got in (jax.jit(lambda x: f(x))(x), jax.grad(lambda x: f(x).sum())(x)):
+                assert got.dtype == jnp.float64
+            np.testing.assert_array_equal(jax.jit(lambda x: f(x))(x), want)
+        finally:
+            torch.set_default_dtype(previous)
+        assert jax.jit(lambda x: f(x) + 0)(x).dtype == jnp.float32

@@ -199,9 +199,14 @@ class PytreePrimitive:
             store(home, items, bound)
         return bound
 
+    def context_key(self) -> Any:
+        """Global state besides x64 that output types depend on, part of every traced
+        signature's cache key (hashable; None here: a subclass names its own)."""
+        return None
+
     def _signature(self, bound: BoundParams, in_tree, statics, avals) -> Signature:
         """The output signature of a call, found by abstract_eval once and kept in `bound`."""
-        key = (in_tree, statics, avals, _x64.value)
+        key = (in_tree, statics, avals, _x64.value, self.context_key())
         found = bound.signatures.get(key)
         if found is None:
             found = self._out_signature(in_tree, statics, avals, bound.items)

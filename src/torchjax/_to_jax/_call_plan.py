@@ -411,7 +411,10 @@ class CallPlan:
             f"{self.name} returned {got} at {self.out_paths[k]}, but {s.dtype}{list(s.shape)} was "
             f"declared (result_shape_dtypes) or inferred (fake-tensor run). Make "
             f"result_shape_dtypes match what the function returns, or make the function's "
-            f"output independent of the input values."
+            f"output independent of the input values. Types are found once per input "
+            f"signature and kept: if the types follow state the function reads besides its "
+            f"inputs (a module attribute, a closed-over tensor) that changed since, wrap the "
+            f"function again (a new to_jax) and trace that."
         )
 
     def input_path(self, k: int) -> str:

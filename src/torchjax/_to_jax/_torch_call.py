@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from torchjax._compat._jax import (
     hide_frames_under,
     jax_config,
@@ -66,6 +68,11 @@ class TorchCallPrimitive(PytreePrimitive):
         # By reference: JAX's rule tables know this instance's primitive, and only it. A
         # function pickled by value (cloudpickle: Ray, dask, spawned pools) finds it again.
         return (_the_primitive, ())
+
+    def context_key(self) -> Any:
+        # torch.ones(3) is of torch's default dtype: after torch.set_default_dtype a new
+        # trace finds its types again (eager calls take their types from the call itself).
+        return torch.get_default_dtype()
 
     def def_dce(self, rule: Any) -> Any:
         """``rule(used_outputs, eqn) -> (used_inputs, eqn or None)``: JAX's dead-code
