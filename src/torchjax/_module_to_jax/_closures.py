@@ -25,33 +25,38 @@ def rebind_closures(copied: torch.nn.Module, memo: dict[int, Any]) -> None:
     hold, in attributes, hook dicts and lists, dicts or tuples in them, closure cells that
     hold the copies of the originals deepcopy replaced."""
     twins: dict[int, Any] = {}
+    # What deepcopy made (memo's values): only those containers may change in place; one
+    # an object's own __deepcopy__ shared with the original stays as it is.
+    made = {id(v) for v in memo.values()}
     for sub in copied.modules():
         attributes = vars(sub)
         for key, value in list(attributes.items()):
-            new = _rebound(value, memo, twins, _DEPTH)
+            new = _rebound(value, memo, twins, made, _DEPTH)
             if new is not value:
                 attributes[key] = new
 
 
-def _rebound(value: Any, memo: dict[int, Any], twins: dict[int, Any], depth: int) -> Any:
+def _rebound(value: Any, memo: dict, twins: dict, made: set, depth: int) -> Any:
     """`value` with its functions' closures rebound; the same object where none changes.
     Containers the deepcopy made are changed in place (they belong to the copy alone)."""
     if isinstance(value, types.FunctionType):
         return _twin(value, memo, twins)
     if depth == 0 or isinstance(value, (torch.Tensor, torch.nn.Module, str, bytes)):
         return value  # a module's own attributes are walked through copied.modules()
+    if isinstance(value, dict | list) and id(value) not in made:
+        return value
     if isinstance(value, dict):
         for key, item in list(value.items()):
-            new = _rebound(item, memo, twins, depth - 1)
+            new = _rebound(item, memo, twins, made, depth - 1)
             if new is not item:
                 value[key] = new
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            new = _rebound(item, memo, twins, depth - 1)
+            new = _rebound(item, memo, twins, made, depth - 1)
             if new is not item:
                 value[i] = new
     elif type(value) is tuple:
-        items = [_rebound(item, memo, twins, depth - 1) for item in value]
+        items = [_rebound(item, memo, twins, made, depth - 1) for item in value]
         if any(new is not old for new, old in zip(items, value, strict=True)):
             return tuple(items)
     return value
