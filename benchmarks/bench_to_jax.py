@@ -10,7 +10,9 @@
 # jax.pure_callback and native torch are shown for reference, and native torch under a
 # dispatch mode that only counts ops (what finding the op that makes an output would cost
 # each op). For 2**24 elements the question is extra copies, not overhead: the copy into
-# XLA's output buffer against a hand-written callback whose op writes there itself (out=).
+# XLA's output buffer against a hand-written callback whose op writes there itself (out=),
+# and what asking the kernel for huge pages on that buffer saves (_huge_pages.py; off where
+# the kernel does not give them on request): the hand-written callbacks do not ask.
 from __future__ import annotations
 
 import sys
@@ -25,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torchjax
 from torchjax._compat._jax import dlpack_export, dlpack_import
 from torchjax._compat._torch import cpu_array_from_tensor
+from torchjax._to_jax import _huge_pages
 
 _from_capsule = torch._C._from_dlpack  # torch.utils.dlpack.from_dlpack without its wrapper
 
@@ -203,6 +206,10 @@ def measure() -> list[Table]:
     t = torch.arange(n, dtype=torch.float32)
     f = torchjax.to_jax(times_two)
     f_jit = jax.jit(f)
+    advice, _huge_pages.ENABLED = _huge_pages.ENABLED, False  # read when a call is lowered
+    f_plain_pages = jax.jit(lambda x: f(x))
+    f_plain_pages(x).block_until_ready()
+    _huge_pages.ENABLED = advice
     hand = hand_callback(times_two, n)
     into = into_callback(n)
     assert bool((into(x) == x * 2).all())
@@ -214,6 +221,12 @@ def measure() -> list[Table]:
                 lambda: f_jit(x).block_until_ready(),
                 "hand-written compute-then-copy",
                 lambda: hand(x).block_until_ready(),
+            ),
+            paired_row(
+                "to_jax under jit",
+                lambda: f_jit(x).block_until_ready(),
+                "to_jax under jit without huge-page advice",
+                lambda: f_plain_pages(x).block_until_ready(),
             ),
             paired_row(
                 "to_jax eager",

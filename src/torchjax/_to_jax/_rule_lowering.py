@@ -42,6 +42,7 @@ from torchjax._to_jax._call_plan import CallPlan, plan_for, plan_parts
 from torchjax._to_jax._callables import RecordedForward, VjpFunction
 from torchjax._to_jax._cuda import on_xla_stream
 from torchjax._to_jax._guard import copy_kept_inputs, refuse_writes
+from torchjax._to_jax._huge_pages import advise, large_outputs
 from torchjax._to_jax._outputs import as_jax_tree
 from torchjax._to_jax._residual import OUTPUT_BUFFERS
 
@@ -175,7 +176,17 @@ def callback_call(
 
     if plan is not None and plan.plain and not share_outputs:
         host = _plain_host(plan, host)
-    return buffer_callback(host, list(out_structs), has_side_effect=draws)(*operands)
+    large = large_outputs(out_structs)  # on the CPU, huge pages for them (_huge_pages.py)
+    callback = _advising(host, large) if large else host  # (_host's recursion: not twice)
+    return buffer_callback(callback, list(out_structs), has_side_effect=draws)(*operands)
+
+
+def _advising(host: Callable, large: tuple[int, ...]) -> Callable:
+    def advising_host(ctx: Any, outs: list, *ins: Any) -> None:
+        advise(outs, large)
+        return host(ctx, outs, *ins)
+
+    return advising_host
 
 
 def _plain_host(plan: CallPlan, host: Callable) -> Callable:
