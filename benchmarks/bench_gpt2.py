@@ -11,14 +11,20 @@
 # buffers both come from) at rest after two warm-up steps, and the peak sampled every
 # 0.2 ms over the next steps; torchjax with copy=True (the module keeps its weights beside
 # the JAX copy) and with copy="move" (one set of weights). The torch process starts JAX's
-# runtime too (about 50 MiB), so that the difference is what the steps hold. The full
-# model is GPT-2's 124M configuration; compare.py --quick uses a 2-layer, 128-wide one.
+# runtime too (about 50 MiB), so that the difference is what the steps hold. The time pairs
+# are measured twice: as the process starts, and with glibc told to keep the memory a step
+# frees for the next (KEEP_FREED, both sides in the same process; docs/recipes.md). By
+# default XLA's buffers for a step, and torch's allocations in a callback XLA runs on one of
+# its worker threads, are fresh memory from the kernel on every step, and its page faults
+# are kernel time torch's own step, reusing its main thread's heap, mostly does not pay. The
+# full model is GPT-2's 124M configuration; compare.py --quick uses a 2-layer, 128-wide one.
 #
 # Usage: `python benchmarks/bench_gpt2.py --small` (the 2-layer model; optional)
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +32,10 @@ from pathlib import Path
 import _timing
 from _timing import format_table, paired_row
 
+# glibc: one arena for all threads, no allocation mapped on its own, no memory given back.
+KEEP_FREED = (
+    "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184"
+)
 FULL = {}  # GPT2Config's defaults: 12 layers, 768 wide, 50257 tokens, 124M parameters
 SMALL = {"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab_size": 1000, "n_positions": 256}
 BATCH, SEQ = 2, 128
@@ -164,7 +174,7 @@ def _paired_steps(config: dict) -> list:
     return [step, grads]
 
 
-def _timed_in_child(config: dict) -> list:
+def _timed_in_child(config: dict, tunables: str | None = None) -> list:
     # A fresh process: two GPT-2s, their optimizer states and JAX's compiled step stay out
     # of the caller's (compare.py's later benchmarks ran several times slower beside them).
     here = str(Path(__file__).resolve().parent)
@@ -173,7 +183,8 @@ def _timed_in_child(config: dict) -> list:
         f"_timing.configure(repeat={_timing.REPEAT}, min_run_seconds={_timing.MIN_RUN_SECONDS})\n"
         f"print(json.dumps(bench_gpt2._paired_steps({config!r})))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    env = dict(os.environ, GLIBC_TUNABLES=tunables) if tunables else None
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if proc.returncode:
         raise RuntimeError(f"the timing process failed:\n{proc.stderr[-3000:]}")
     return [tuple(row) for row in json.loads(proc.stdout.strip().splitlines()[-1])]
@@ -184,12 +195,13 @@ def measure(small: bool | None = None) -> dict:
         small = _timing.REPEAT <= 2
     config = SMALL if small else FULL
     time_rows = _timed_in_child(config)
+    kept_rows = _timed_in_child(config, KEEP_FREED) if sys.platform.startswith("linux") else None
     memory = {
         "torch": _memory("torch", config),
         "torchjax, copy=True": _memory("jax", config, copy=True),
         'torchjax, copy="move"': _memory("jax", config, copy="move"),
     }
-    return {"small": small, "time": time_rows, "memory": memory}
+    return {"small": small, "time": time_rows, "kept": kept_rows, "memory": memory}
 
 
 def format_results(result: dict) -> str:
@@ -205,6 +217,12 @@ def format_results(result: dict) -> str:
         f"{torch_update * 1e3:,.1f} ms, {(jax_update - torch_update) * 1e3:+,.1f} ms of the "
         f"{(step[1] - step[3]) * 1e3:+,.1f} ms between the steps.\n"
     )
+    if result.get("kept"):
+        out += "\n" + format_table(
+            f"{title}, glibc keeping freed memory (GLIBC_TUNABLES={KEEP_FREED})",
+            list(result["kept"]),
+        )
+        out += "\n"
     torch_mem = result["memory"]["torch"]
     rows = [
         f"\nMemory in use (MiB), {size}, each side a fresh process:",
