@@ -153,3 +153,14 @@ def test_torchjax_huge_pages_0_turns_the_advice_off():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.split() == ["False", "()"]
+
+
+def test_a_buffer_dlpack_cannot_wrap_is_written_without_advice(recorded, monkeypatch):
+    def refuse(capsule):
+        raise BufferError("this dtype has no DLPack form")
+
+    monkeypatch.setattr(_huge_pages, "tensor_from_capsule", refuse)
+    x = jnp.arange(2**21, dtype=jnp.float32)
+    y = jax.jit(torchjax.to_jax(lambda x: x - 1))(x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x) - 1)
+    assert recorded == []

@@ -82,7 +82,10 @@ def advise(outs: Sequence[Any], which: tuple[int, ...]) -> None:
         buf = outs[i]
         if buf.__dlpack_device__()[0] != _DL_CPU:
             return  # a callback is lowered for one platform: all or none are on the CPU
-        dst = tensor_from_capsule(buf.__dlpack__())
+        try:
+            dst = tensor_from_capsule(buf.__dlpack__())
+        except (RuntimeError, TypeError, BufferError):
+            continue  # a dtype DLPack cannot hand over is written another way: no advice
         start = dst.data_ptr()
         end = (start + dst.nbytes) & -_HUGE_PAGE  # whole huge pages inside the buffer only
         start = (start + _HUGE_PAGE - 1) & -_HUGE_PAGE
