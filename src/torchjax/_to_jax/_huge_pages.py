@@ -25,12 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from torchjax._compat._torch import tensor_from_capsule
+from torchjax._compat._torch import _DL_CPU, tensor_from_capsule
 
 THRESHOLD = 4 * 2**20  # bytes: a smaller buffer is a few faults (numpy's threshold too)
 _HUGE_PAGE = 2 * 2**20  # x86-64's and arm64's (4 KiB base pages) transparent huge page
 _MADV_HUGEPAGE = 14  # linux/mman.h
-_DL_CPU = 1  # DLPack's kDLCPU
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
