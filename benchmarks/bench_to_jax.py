@@ -55,7 +55,8 @@ def checked_callback(op, n):
     to_jax makes on every call (neither inference mode nor torch.autocast on, the input's
     storage refuses writes, grad mode off, no version counter moved, the output's type,
     dtype and shape, and no reference to the input kept past the call). What those checks
-    cost is this row's ratio to the floor."""
+    cost is this row's ratio to the floor. Like the floor, it wraps XLA's output buffer
+    before the input (measured 0.3 µs faster than after f)."""
     refuse, grad_on, set_grad = (
         torch._C._set_throw_on_mutable_data_ptr,
         torch.is_grad_enabled,
@@ -75,6 +76,7 @@ def checked_callback(op, n):
     def cb(ctx, outs, x):
         if inference_mode() or any_autocast():
             raise RuntimeError("a mode torchjax's callback sets aside: the full way")
+        dst = _from_capsule(outs[0].__dlpack__())
         t = _from_capsule(x.__dlpack__())
         refuse(t)
         was_on = grad_on()
@@ -89,8 +91,8 @@ def checked_callback(op, n):
             raise RuntimeError("an in-place view op")
         if type(out) is not torch.Tensor or out.dtype is not torch.float32 or out.shape != shape:
             raise RuntimeError("an output of another type")
-        _from_capsule(outs[0].__dlpack__()).copy_(out)
-        out = None
+        dst.copy_(out)
+        out = dst = None
         if refs(t) != 2 or use_count(t) != 1 or storage_uses(storage_id(t)) != 1:
             raise RuntimeError("an input kept")
 

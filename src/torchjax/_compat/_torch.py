@@ -212,6 +212,15 @@ def proxy_mode_active() -> bool:
     return _get_dispatch_mode(_PROXY_KEY) is not None
 
 
+# proxy_mode_active as one C call, for a shortcut: ``proxy_mode() is not None`` says the
+# same (a stand-in that answers True where torch lacks the query).
+proxy_mode = (
+    (lambda: True)
+    if _get_dispatch_mode is ABSENT or _PROXY_KEY is ABSENT
+    else functools.partial(_get_dispatch_mode, _PROXY_KEY)
+)
+
+
 _FAKE_KEY = private("torch._C._TorchDispatchModeKey.FAKE")
 
 

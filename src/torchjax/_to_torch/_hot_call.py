@@ -17,7 +17,7 @@ from torchjax._compat._torch import (
     cpu_array_from_tensor,
     forward_ad_level,
     jit_tracing,
-    proxy_mode_active,
+    proxy_mode,
     tensor_from_capsule,
     tensor_to_capsule,
     transforms_active_c,
@@ -83,7 +83,7 @@ def hot_call(spec: Spec, tensors: list, run: Callable[[Spec, Any, tuple], Any], 
             not plain
             or transforms_active()
             or dual_level() >= 0
-            or proxy_mode_active()
+            or proxy_mode() is not None  # make_fx tracing: the call must be recorded
             or jit_tracing()  # torch.jit.trace: refused by the full way
         ):
             return run(spec, out_tree, args)
@@ -128,7 +128,7 @@ def hot_call(spec: Spec, tensors: list, run: Callable[[Spec, Any, tuple], Any], 
                 (type(a) is not _Tensor and type(a) is not _Parameter)  # torch.compile
                 or transforms_active()
                 or dual_level() >= 0
-                or proxy_mode_active()  # make_fx tracing: the call must be recorded
+                or proxy_mode() is not None  # make_fx tracing: the call must be recorded
                 or jit_tracing()  # torch.jit.trace: refused by the full way
                 or (a.requires_grad and _grad_enabled())
                 or not a.is_cpu
