@@ -54,6 +54,7 @@ SUITES = {
     "hessian": "`jax.hessian` through a wrapped function",
     "train": "A training step, against torch's own",
     "gpt2": "A GPT-2 training step, against torch's fastest: time and memory",
+    "resnet": "A BatchNorm ResNet training step, against torch's own",
     "module": "`module_to_jax` overhead",
     "concurrent": "Concurrent `module_to_jax` calls: `shard_map` over 4 devices",
     "to_torch": "`to_torch` overhead",

@@ -30,10 +30,12 @@ def test_compare_quick_runs_and_renders(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     # Each section's table header, the sweep's one, and the note for the skipped bridges.
-    # Fifteen tables with ratios: to_jax 2, vmap 2, grad 1, hessian 2, train 1, gpt2 2
-    # (the second with glibc keeping freed memory), module 2, concurrent 1, to_torch 2.
+    # Sixteen tables with ratios: to_jax 2, vmap 2, grad 1, hessian 2, train 1, gpt2 2
+    # (the second with glibc keeping freed memory), resnet 1, module 2, concurrent 1,
+    # to_torch 2.
     assert "| call | elements (float32) | median µs |" in out
-    assert out.count("| case | median µs | baseline | baseline µs | ratio |") == 15
+    assert out.count("| case | median µs | baseline | baseline µs | ratio |") == 16
+    assert "| jax.jit(value_and_grad + optax.sgd) via module_to_jax, mutable=True |" in out
     assert '| torchjax, copy="move" |' in out  # bench_gpt2's memory table
     assert "| jax.jit(value_and_grad) via module_to_jax, no optimizer |" in out
     assert "| torch forward, loss, backward, no optimizer |" in out
