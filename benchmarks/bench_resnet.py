@@ -2,7 +2,7 @@
 #
 # A CIFAR-style ResNet written in torch (no torchvision: BasicBlocks of two 3x3 convolutions
 # with BatchNorm and a shortcut, three stages of 16, 32 and 64 channels, two blocks each,
-# global average pooling and a linear head; 0.27M parameters), in train mode, on a batch of
+# global average pooling and a linear head; 0.18M parameters), in train mode, on a batch of
 # 64 images of 3 x 32 x 32 with 10 classes, cross entropy, SGD with momentum 0.9. BatchNorm
 # updates its running statistics on every step: torchjax carries them with
 # `apply(..., mutable=True)` as the loss's aux output. torchjax: jax.jit of value_and_grad of
