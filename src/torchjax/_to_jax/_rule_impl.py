@@ -66,6 +66,7 @@ _SingleDevice = jax.sharding.SingleDeviceSharding
 _tree = jax.tree_util
 _from_capsule, _export, _shard = tensor_from_capsule, dlpack_export, single_device_shard
 _inference_mode = torch.is_inference_mode_enabled
+_is_grad_enabled = torch.is_grad_enabled
 _getrefcount, _getweakrefcount = sys.getrefcount, weakref.getweakrefcount
 _Tensor, _strided = torch.Tensor, torch.strided
 
@@ -215,11 +216,36 @@ def _hot_call(
             committed = committed or array_committed(x)
             tensors.append(_from_capsule(_export(_shard(x), stream=None)))
         device = _committed_device(args, plan) if committed else cpu
-        out = plan.call_plain(tensors)
+        box = [plan.call_plain(tensors)]  # the output's one reference: see finish
         tensors = None
-        # owns_memory_alone(out, 1) and tensor_to_jax's common case, inlined. References to
-        # `out`: this frame's and getrefcount's argument; to its storage: `storage`,
-        # getrefcount's argument and torch's own (see owns_memory_alone).
+        return finish(box, device, committed)
+
+    def call_one(args: Any) -> Any:
+        """`call` for one array argument: no list, no loop, and CallPlan's guard for one
+        tensor (call_plain_one), which `call` takes 0.5 µs more for (3% of an eager call on
+        16 floats, measured)."""
+        if len(args) != 1 or x64.value != x64_value or not plan.plain:
+            return MISS
+        if type(trace_context.trace) is not eval_trace_type:
+            return MISS
+        if fake_runs.depth or _inference_mode():
+            return MISS
+        x = args[0]
+        if type(x) is not ArrayImpl or x.aval != aval or x.platform() != "cpu":
+            return MISS
+        if type(x.sharding) is not _SingleDevice:
+            return MISS
+        committed = array_committed(x)
+        device = _committed_device(args, plan) if committed else cpu
+        box = [call_plain_one(_from_capsule(_export(_shard(x), stream=None)))]
+        return finish(box, device, committed)
+
+    def finish(box: list, device: Any, committed: bool) -> Any:
+        """The call's output from fn's output ``box[0]`` (its only reference, which this
+        takes): owns_memory_alone(out, 1) and tensor_to_jax's common case, inlined."""
+        out = box.pop()
+        # References to `out`: this frame's and getrefcount's argument; to its storage:
+        # `storage`, getrefcount's argument and torch's own (see owns_memory_alone).
         if (
             aliasable
             and type(out) is _Tensor
@@ -261,6 +287,9 @@ def _hot_call(
                 return uncommitted(result) if spread and not committed else result
         return _rest(plan, signature, in_tree, statics, box, device if committed else None)
 
+    if n == 1:
+        aval, call_plain_one = avals[0], plan.call_plain_one
+        return call_one
     return call
 
 
