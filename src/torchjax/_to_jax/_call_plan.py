@@ -324,9 +324,10 @@ class CallPlan:
         return out
 
     def call_plain_one(self, t: torch.Tensor) -> Any:
-        """call_plain for one tensor, the common fn(x) of the eager shortcut and the jitted
-        callback. Its steps are call_plain's written out again rather than shared: a list,
-        loops or a star-call cost 2-3% of a call on 16 floats (measured, both ways)."""
+        """call_plain for one tensor: the eager shortcut's common fn(x) (the jitted fn(x)
+        callback writes these steps out inline, _rule_lowering._plain_host_one). They are
+        call_plain's written out again rather than shared: a list, loops or a star-call
+        cost 2-3% of a call on 16 floats (measured, both ways)."""
         refuse_writes(t)
         grad_was_enabled = _is_grad_enabled()
         if grad_was_enabled:

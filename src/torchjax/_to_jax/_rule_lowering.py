@@ -24,8 +24,10 @@ from jax.experimental import io_callback
 from torchjax._compat._torch import (
     any_autocast,
     autocast_as,
+    set_grad_enabled,
     tensor_from_capsule,
     tensor_use_count,
+    tensor_version,
 )
 from torchjax._compat._torch import storage_id as _storage_id
 from torchjax._compat._torch import storage_use_count as _uses
@@ -39,7 +41,7 @@ from torchjax._to_jax._batched_tape import BatchedTapedVjp
 from torchjax._to_jax._call_plan import CallPlan, plan_for, plan_parts
 from torchjax._to_jax._callables import RecordedForward, VjpFunction
 from torchjax._to_jax._cuda import on_xla_stream
-from torchjax._to_jax._guard import copy_kept_inputs
+from torchjax._to_jax._guard import copy_kept_inputs, refuse_writes
 from torchjax._to_jax._huge_pages import advise, large_outputs
 from torchjax._to_jax._outputs import as_jax_tree
 from torchjax._to_jax._residual import OUTPUT_BUFFERS
@@ -58,6 +60,7 @@ Run = Callable[[list[torch.Tensor]], Sequence[Any]]
 
 _DL_CPU = 1  # DLPack's kDLCPU
 _inference_mode = torch.is_inference_mode_enabled
+_is_grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _refs = sys.getrefcount  # references: `tensors`, the loop variable, getrefcount's argument
 
@@ -232,11 +235,12 @@ def _plain_host(plan: CallPlan, host: Callable) -> Callable:
 
 
 def _plain_host_one(plan: CallPlan, host: Callable) -> Callable:
-    """_plain_host for fn(x), one tensor in and out: no list, no loop, and CallPlan's
-    guard for one tensor (call_plain_one), where the general callback takes 4% more of a
-    call on 16 floats (measured)."""
+    """_plain_host for fn(x), one tensor in and out, with CallPlan.call_plain_one's steps
+    inlined too: no list, no loop, no frame between XLA's call and fn's (measured 4% of a
+    call on 16 floats against the general callback, and 0.8% against calling
+    call_plain_one)."""
     dtype, shape, where = plan.plain_dtype, plan.plain_shape, plan.out_paths[0]
-    call_plain_one = plan.call_plain_one
+    fn = plan.direct
     on_cpu = False
 
     def plain_host(ctx: Any, outs: list, *ins: Any) -> None:
@@ -247,7 +251,22 @@ def _plain_host_one(plan: CallPlan, host: Callable) -> Callable:
         try:
             dst = tensor_from_capsule(outs[0].__dlpack__())  # first: see _plain_host
             t = tensor_from_capsule(ins[0].__dlpack__())
-            out = call_plain_one(t)  # (the guard: fn cannot write into XLA's buffer)
+            refuse_writes(t)  # as call_plain_one: fn cannot write into XLA's buffer
+            grad_was_enabled = _is_grad_enabled()
+            if grad_was_enabled:
+                set_grad_enabled(False)
+            refused = False
+            try:
+                out = fn(t)
+            except Exception as e:
+                refused = plan.refused(e, [t])
+            finally:
+                if grad_was_enabled:
+                    set_grad_enabled(True)
+            if refused:
+                out = plan.invoke_on_copies([t], compare=True)
+            elif tensor_version(t):
+                plan.raise_mutated([t])
             if type(out) is _Tensor and out.dtype is dtype and out.shape == shape:
                 try:
                     dst.copy_(out)
