@@ -204,21 +204,19 @@ _get_dispatch_mode = private("torch._C._get_dispatch_mode")
 _PROXY_KEY = private("torch._C._TorchDispatchModeKey.PROXY")
 
 
-def proxy_mode_active() -> bool:
-    """Whether make_fx is tracing (its proxy dispatch mode is set); where torch lacks the
-    query, assume so (the call then goes through the custom op, which is always right)."""
-    if _get_dispatch_mode is ABSENT or _PROXY_KEY is ABSENT:
-        return True
-    return _get_dispatch_mode(_PROXY_KEY) is not None
-
-
-# proxy_mode_active as one C call, for a shortcut: ``proxy_mode() is not None`` says the
-# same (a stand-in that answers True where torch lacks the query).
+# make_fx's proxy mode, or None, as one C call (a shortcut asks ``proxy_mode() is not
+# None``); where torch lacks the query, a stand-in that answers as if it were set.
 proxy_mode = (
     (lambda: True)
     if _get_dispatch_mode is ABSENT or _PROXY_KEY is ABSENT
     else functools.partial(_get_dispatch_mode, _PROXY_KEY)
 )
+
+
+def proxy_mode_active() -> bool:
+    """Whether make_fx is tracing (its proxy dispatch mode is set); where torch lacks the
+    query, assume so (the call then goes through the custom op, which is always right)."""
+    return proxy_mode() is not None
 
 
 _FAKE_KEY = private("torch._C._TorchDispatchModeKey.FAKE")
