@@ -17,7 +17,8 @@ def test_multidevice_script():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     checks = ("shard_map: local shards", "sharded input under jit", "data-parallel training")
-    for check in (*checks, "module_to_jax in shard_map, two variable sets"):
+    checks += ("module_to_jax in shard_map, two variable sets", "declared types with sharded")
+    for check in checks:
         assert check in result.stdout, result.stdout
 
 

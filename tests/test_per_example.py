@@ -236,3 +236,59 @@ def test_per_example_gradient_of_an_eval_attention_fast_path_matches_torch_func(
             rtol=1e-4,
             atol=1e-5,
         )
+
+
+# Writes whose torch derivative assumes each target is written once. select_scatter's
+# batching rule scatters an expanded source with a repeating index, so a graph recorded
+# around torch.func.vmap counted each example's gradient once per repeat (issue 45: 5x);
+# the others repeat a target in the user's own index. Each against torch.func.
+_REPEATED_WRITES = {
+    "select_scatter": (lambda x, s: torch.select_scatter(x, s, 0, 2), (5,)),
+    "select_scatter_dim1": (lambda x, s: torch.select_scatter(x, s, 1, 2), (4,)),
+    "scatter_repeated": (lambda x, s: x.scatter(1, torch.tensor([[0, 0]] * 4), s), (4, 2)),
+    "index_copy_repeated": (lambda x, s: x.index_copy(0, torch.tensor([1, 1]), s), (2, 5)),
+    "index_put_repeated": (lambda x, s: x.index_put((torch.tensor([3, 3]),), s), (2, 5)),
+    "put_repeated": (lambda x, s: x.put(torch.tensor([7, 7]), s), (2,)),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("in_axes", [(0, 0), (0, None), (None, 0)], ids=str)
+@pytest.mark.parametrize("name", list(_REPEATED_WRITES))
+def test_per_example_gradient_of_a_write_that_repeats_a_target_matches_torch_func(
+    name, in_axes, jit
+):
+    fn, src_shape = _REPEATED_WRITES[name]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 4, 5) if in_axes[0] == 0 else (4, 5)).astype(np.float32)
+    s = rng.normal(size=(3, *src_shape) if in_axes[1] == 0 else src_shape).astype(np.float32)
+
+    def loss(x, s):
+        return (fn(x, s) ** 2 * torch.arange(20.0).reshape(4, 5)).sum()
+
+    step = jax.vmap(jax.grad(torchjax.to_jax(loss), argnums=(0, 1)), in_axes=in_axes)
+    step = jax.jit(step) if jit else step
+    expected = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=in_axes)(
+        torch.tensor(x), torch.tensor(s)
+    )
+    for _ in range(2):
+        tree_close(step(x, s), tuple(t.numpy() for t in expected))
+
+
+def test_a_write_that_repeats_no_target_keeps_the_one_forward_plan():
+    calls = []
+
+    def loss(x, s):  # slice_scatter's rule scatters too, with an index that repeats nothing
+        calls.append(None)
+        return (torch.slice_scatter(x, s, 0, 1, 3) ** 2).sum()
+
+    x, s = np.ones((3, 4, 5), np.float32), np.full((3, 2, 5), 2.0, np.float32)
+    step = jax.vmap(jax.grad(torchjax.to_jax(loss), argnums=(0, 1)))
+    got = step(x, s)
+    expected = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)))(
+        torch.tensor(x), torch.tensor(s)
+    )
+    tree_close(got, tuple(t.numpy() for t in expected))
+    calls.clear()
+    jax.block_until_ready(step(x, s))
+    assert len(calls) == 1  # the batched forward; the pullback reused its graph

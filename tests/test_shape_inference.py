@@ -313,3 +313,51 @@ def test_a_lazy_module_the_function_does_not_call_stays_lazy_and_is_no_obstacle(
     np.testing.assert_allclose(f(x), want, rtol=1e-6)
     assert type(heads["unused"]) is torch.nn.LazyLinear
     assert heads["unused"].has_uninitialized_params()
+
+
+# -- eager transforms of code that reads values (issue 45): real data is at hand -----------
+def _log_prob(mu, x):  # torch.distributions validates its arguments by reading values
+    return torch.distributions.Normal(mu, torch.ones_like(mu)).log_prob(x).sum()
+
+
+_MU, _X = np.array([0.5, -0.2, 1.5], np.float32), np.array([1.0, 2.0, -0.5], np.float32)
+
+
+def _torch_grads():
+    mu, x = torch.tensor(_MU, requires_grad=True), torch.tensor(_X, requires_grad=True)
+    value = _log_prob(mu, x)
+    return value.detach().numpy(), [g.numpy() for g in torch.autograd.grad(value, (mu, x))]
+
+
+@pytest.mark.parametrize("transform", ["grad", "value_and_grad", "vjp", "jvp"])
+def test_eager_transforms_of_value_reading_code_need_no_declared_types(transform):
+    f = torchjax.to_jax(_log_prob)  # no eager call first, no result_shape_dtypes
+    value, (g_mu, g_x) = _torch_grads()
+    if transform == "grad":
+        got = jax.grad(f, argnums=(0, 1))(_MU, _X)
+        np.testing.assert_allclose(got[0], g_mu, rtol=1e-6)
+        np.testing.assert_allclose(got[1], g_x, rtol=1e-6)
+    elif transform == "value_and_grad":
+        v, got = jax.value_and_grad(f)(_MU, _X)
+        np.testing.assert_allclose(v, value, rtol=1e-6)
+        np.testing.assert_allclose(got, g_mu, rtol=1e-6)
+    elif transform == "vjp":
+        v, pullback = jax.vjp(f, _MU, _X)
+        got = pullback(jnp.float32(2.0))
+        np.testing.assert_allclose(v, value, rtol=1e-6)
+        np.testing.assert_allclose(got[0], 2 * g_mu, rtol=1e-6)
+    else:
+        t = np.array([1.0, -1.0, 0.5], np.float32)
+        v, tangent = jax.jvp(lambda m: f(m, _X), (_MU,), (t,))
+        np.testing.assert_allclose(v, value, rtol=1e-6)
+        np.testing.assert_allclose(tangent, g_mu @ t, rtol=1e-6)
+
+
+def test_jit_after_an_eager_transform_takes_the_types_of_the_real_run():
+    f = torchjax.to_jax(_log_prob)
+    with pytest.raises(ShapeInferenceError, match="result_shape_dtypes"):
+        jax.jit(f)(_MU, _X)  # nothing has run for real yet: the fake run cannot read values
+    jax.grad(f)(_MU, _X)
+    _, (g_mu, _) = _torch_grads()
+    np.testing.assert_allclose(jax.jit(jax.grad(f))(_MU, _X), g_mu, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(f)(_MU, _X), _torch_grads()[0], rtol=1e-6)

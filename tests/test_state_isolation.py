@@ -662,3 +662,89 @@ def test_a_buffer_forward_registers_is_dropped_with_a_warning_under_mutable(mode
         out, new_buffers = call(variables, jnp.ones(3), mutable=True)
     np.testing.assert_array_equal(out, np.ones(3))
     assert new_buffers == {}  # what the warning says: it cannot be carried over
+
+
+# -- the walk over user objects runs none of their code (issue 45: e3nn's o3.Irreps) -------
+_RAN: list[str] = []
+_COPY_PROTOCOL = {"__deepcopy__", "__setstate__", "__reduce_ex__", "__reduce__", "__getstate__"}
+
+
+class _Opaque(tuple):
+    """A tuple whose Python protocol raises (o3.Irreps' __len__ does)."""
+
+    def __len__(self):
+        _RAN.append("__len__")
+        raise NotImplementedError
+
+    def __iter__(self):
+        _RAN.append("__iter__")
+        raise NotImplementedError
+
+    def __eq__(self, other):
+        _RAN.append("__eq__")
+        raise NotImplementedError
+
+    __hash__ = None
+
+
+class _Forwarding:
+    """An object whose __getattr__ and a property have effects."""
+
+    def __init__(self):
+        self.table = {"k": _Opaque((1,))}
+
+    def __getattr__(self, name):
+        _RAN.append(f"__getattr__({name})")
+        raise AttributeError(name)
+
+    @property
+    def loud(self):
+        _RAN.append("property")
+        return 1
+
+
+class _OpaqueList(list):  # (copy.deepcopy iterates it: that is copy's protocol)
+    def __len__(self):
+        _RAN.append("list.__len__")
+        raise NotImplementedError
+
+
+class _HoldsOpaque(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.irreps = _Opaque((1, 2, 3))
+        self.other = _Forwarding()
+        self.items = _OpaqueList([_Opaque((4,))])
+        self.nested = {"a": [_Opaque((5,)), _Forwarding()]}
+
+    def forward(self, x):  # [3] -> [2]
+        return self.lin(x) * sum(tuple.__iter__(self.irreps))
+
+
+@pytest.mark.parametrize("transform", ["eager", "jit", "grad", "vmap"])
+@pytest.mark.parametrize("entry", ["module_to_jax", "to_jax"])
+def test_objects_whose_protocol_raises_are_walked_without_running_their_code(entry, transform):
+    module = _HoldsOpaque()
+    x = np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(4, 3)
+    if entry == "module_to_jax":
+        apply, variables = torchjax.module_to_jax(module)
+        fn = lambda x: apply(variables, x)
+    else:
+        fn = torchjax.to_jax(lambda x: module(x))
+    transformed = {
+        "eager": fn,
+        "jit": jax.jit(fn),
+        "grad": jax.grad(lambda x: fn(x).sum()),
+        "vmap": jax.vmap(fn),
+    }[transform]
+    _RAN.clear()
+    got = transformed(x)
+    # module_to_jax's private copies ask copy.deepcopy's protocol, as copy.deepcopy does.
+    ran = [r for r in _RAN if r.removeprefix("__getattr__(").rstrip(")") not in _COPY_PROTOCOL]
+    assert ran == []
+    x_t = torch.tensor(x, requires_grad=transform == "grad")
+    want = module(x_t)
+    if transform == "grad":
+        (want,) = torch.autograd.grad(want.sum(), x_t)
+    np.testing.assert_allclose(np.asarray(got), want.detach().numpy(), rtol=1e-6, atol=1e-6)

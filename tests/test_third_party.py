@@ -250,3 +250,66 @@ def test_hf_gradient_checkpointing_trains_like_torch(x64):
         np.testing.assert_allclose(value, torch_loss.item(), rtol=1e-5)
     for name, p in reference.named_parameters():
         np.testing.assert_allclose(params[name], p.detach().numpy(), rtol=1e-4, atol=1e-6)
+
+
+# -- e3nn: every module holds o3.Irreps, a tuple subclass whose __len__ raises --------------
+# The per-call snapshots and fake runs walk a module's objects without calling their code
+# (issue 45: they called list() on tuples, so every e3nn module failed).
+def _e3nn_model() -> torch.nn.Module:
+    from e3nn import o3
+
+    torch.manual_seed(0)
+    irreps_in, irreps_out = o3.Irreps("2x0e + 1x1o"), o3.Irreps("1x0e + 2x1o")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.irreps_in = irreps_in
+            self.lin = o3.Linear(irreps_in, irreps_in)
+            self.tp = o3.FullyConnectedTensorProduct(irreps_in, irreps_in, irreps_out)
+
+        def forward(self, x):  # [5] -> [7]
+            h = self.lin(x)
+            return self.tp(h, x)
+
+    return Model()
+
+
+@pytest.mark.parametrize("transform", ["eager", "jit", "grad", "vmap", "jacfwd"])
+def test_e3nn_modules_through_module_to_jax_equal_e3nn(transform):
+    pytest.importorskip("e3nn")
+    model = _e3nn_model()
+    reference = copy.deepcopy(model)
+    apply, variables = torchjax.module_to_jax(model)
+    xs = np.random.default_rng(0).normal(size=(4, 5)).astype(np.float32)
+    x_t = torch.tensor(xs)
+    params_t = {k: v.detach() for k, v in reference.named_parameters()}
+
+    def torch_fn(p, x):
+        return torch.func.functional_call(reference, p, (x,))
+
+    def jax_fn(p, x):
+        return apply({"params": p, "buffers": variables["buffers"]}, x)
+
+    params = variables["params"]
+    if transform == "eager":
+        got, want = jax_fn(params, xs), torch_fn(params_t, x_t)
+    elif transform == "jit":
+        got, want = jax.jit(jax_fn)(params, xs), torch_fn(params_t, x_t)
+    elif transform == "grad":
+        got = jax.grad(lambda p, x: jax_fn(p, x).sum() ** 2)(params, xs)
+        want = torch.func.grad(lambda p, x: torch_fn(p, x).sum() ** 2)(params_t, x_t)
+    elif transform == "vmap":
+        got = jax.vmap(jax_fn, in_axes=(None, 0))(params, xs[:, None])
+        want = torch.func.vmap(torch_fn, in_dims=(None, 0))(params_t, x_t[:, None])
+    else:
+        got = jax.jacfwd(jax_fn, argnums=1)(params, xs)
+        want = torch.func.jacfwd(torch_fn, argnums=1)(params_t, x_t)
+    got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got_leaves) == len(want_leaves)
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        np.testing.assert_allclose(np.asarray(g), w.detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert any(np.abs(w.detach().numpy()).max() > 1e-3 for w in want_leaves)
+    # The module itself is untouched: its parameters are still the reference's.
+    for k, v in model.named_parameters():
+        np.testing.assert_array_equal(v.detach().numpy(), params_t[k].numpy())

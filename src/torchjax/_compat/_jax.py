@@ -237,6 +237,47 @@ mlir = types.SimpleNamespace(
     ),
     lower_fun=private("jax.interpreters.mlir.lower_fun", "jax._src.interpreters.mlir.lower_fun"),
 )
+
+# A tracer's value where the trace has one (an eager jax.grad's or jax.jvp's primals):
+# torch calls then find their types from a real run instead of a fake one.
+_to_concrete_value = private(
+    "jax._src.core.to_concrete_value",
+    fallback="eager transforms of value-reading code need result_shape_dtypes",
+)
+
+
+def concrete_value(x: Any) -> Any:
+    """x's concrete value (an array) where a trace knows it, else None."""
+    if _to_concrete_value is ABSENT:
+        return None
+    try:
+        return _to_concrete_value(x)
+    except Exception:  # a trace that cannot say
+        return None
+
+
+# Whether a lowering is partitioned across devices: jit with sharded inputs (XLA's SPMD
+# partitioner, automatic axes) or shard_map (manual axes). A side-effecting custom call
+# there needs a sharding of its own, which jax's callbacks give and buffer_callback does
+# not (_rule_lowering.py).
+_ShardingContext = private(
+    "jax._src.sharding_impls.ShardingContext", fallback="no partitioned lowering is recognized"
+)
+_SPMDAxisContext = private(
+    "jax._src.sharding_impls.SPMDAxisContext", fallback="no partitioned lowering is recognized"
+)
+
+
+def partitioned(axis_context: Any) -> bool:
+    """Whether a lowering rule's ``ctx.module_context.axis_context`` partitions the
+    computation across more than one device."""
+    if _SPMDAxisContext is not ABSENT and isinstance(axis_context, _SPMDAxisContext):
+        return True
+    if _ShardingContext is not ABSENT and isinstance(axis_context, _ShardingContext):
+        return axis_context.num_devices > 1
+    return False
+
+
 # The JVP splits (_rule_partial_eval.py): partial-evaluation rules, and remat policy results.
 partial_eval = types.SimpleNamespace(
     custom_partial_eval_rules=private(

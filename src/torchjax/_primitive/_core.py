@@ -13,6 +13,7 @@
 # This module imports jax only: it knows nothing of torch.
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,7 @@ from torchjax._compat._jax import (
     batching,
     core,
     mlir,
+    partitioned,
     varying_manual_axes,
 )
 from torchjax._compat._jax import jax_config as config
@@ -55,6 +57,31 @@ canonicalize_dtype = jax.dtypes.canonicalize_dtype
 # Output types depend on JAX's x64 mode (a float64 result is float32 while it is off), so
 # it is part of every signature cache key; read on every call, as the state object.
 _x64 = config.enable_x64
+
+
+# Whether the lowering in progress is partitioned across devices (a context variable:
+# lowerings nest, and run on any thread). A lowering rule traces JAX code and never sees
+# the lowering context; what it stages may depend on this (lowering_is_partitioned).
+_PARTITIONED = contextvars.ContextVar("torchjax_lowering_partitioned", default=False)
+
+
+def lowering_is_partitioned() -> bool:
+    """Inside a lowering rule: whether the computation is partitioned across devices (jit
+    of sharded inputs, or shard_map), where a side-effecting custom call needs a sharding."""
+    return _PARTITIONED.get()
+
+
+def _knowing_the_partitioning(lowering: Callable) -> Callable:
+    lower = mlir.lower_fun(lowering, multiple_results=True)
+
+    def rule(ctx: Any, *args: Any, **params: Any) -> Any:
+        token = _PARTITIONED.set(partitioned(ctx.module_context.axis_context))
+        try:
+            return lower(ctx, *args, **params)
+        finally:
+            _PARTITIONED.reset(token)
+
+    return rule
 
 
 class PytreePrimitive:
@@ -128,7 +155,7 @@ class PytreePrimitive:
         prim.def_abstract_eval(functools.partial(_adapters.flat_abstract_eval, self))
         prim.def_impl(functools.partial(_adapters.flat_impl, self))
         lowering = functools.partial(_adapters.flat_lowering, self)
-        mlir.register_lowering(prim, mlir.lower_fun(lowering, multiple_results=True))
+        mlir.register_lowering(prim, _knowing_the_partitioning(lowering))
         batching.primitive_batchers[prim] = functools.partial(_adapters.flat_batching, self)
         ad.primitive_jvps[prim] = functools.partial(_adapters.flat_jvp, self)
         ad.primitive_transposes[prim] = functools.partial(_adapters.flat_transpose, self)
@@ -247,7 +274,7 @@ class PytreePrimitive:
             # their union and transposition yields cotangents of the right type.
             operands = list(core.auto_insert_reshard(*operands))
         avals = tuple(core.typeof(x) for x in operands)
-        signature = self._signature(bound, in_tree, statics_t, avals).traced
+        signature = self._traced_bind_signature(bound, in_tree, statics_t, avals, operands)
         out_flat = self.primitive.bind(
             *operands,
             in_tree=in_tree,
@@ -305,6 +332,12 @@ class PytreePrimitive:
     # A subclass (torch_call_p's TorchCallPrimitive) may override the methods below, and
     # use _bind(args, bound) with _bound_params(params) kept from an earlier call (bind
     # without sorting and checking the params again), _signature and _traced_signature.
+    def _traced_bind_signature(self, bound, in_tree, statics, avals, operands) -> Signature:
+        """The signature param of a traced bind of these operands (tracers among them): a
+        subclass may use what the trace knows of their values."""
+        del operands
+        return self._signature(bound, in_tree, statics, avals).traced
+
     def _params_home(self, params: dict) -> dict:
         """The dict that keeps the `BoundParams` (and with them the signature caches) of
         bind's keyword `params`: the primitive's own, unless a subclass keeps them with one

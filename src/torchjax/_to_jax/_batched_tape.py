@@ -21,6 +21,13 @@
 # TorchFunctionMode, which also turns nn.MultiheadAttention's fast path off, as
 # torch.func's levels would); a call that asks or applies one runs again without a graph,
 # its VJP recomputing under torch.func's levels, and so do the function's later calls.
+# A recorded graph is differentiated op by op as the batching rules ran it, and some rules
+# write one example's value to one target from several places (select_scatter's rule
+# scatters a stride-0 expansion of its source with an index that repeats): torch's
+# derivative of such a write (scatter, index_put, index_copy, put) assumes each target is
+# written once and sums the source's gradient once per repeat, where torch.func
+# differentiates the op itself. A graph with a write whose targets repeat is not used:
+# the call runs again as torch.func would (see `_repeated_write`).
 from __future__ import annotations
 
 import dataclasses
@@ -148,9 +155,13 @@ class BatchedRecordedForward(DerivedFunction):
         in_dims = tuple(0 if i in wrt else d for i, d in dims.items())
         watch = _AutogradQuestions()
         try:
-            with torch.enable_grad(), recording(graph, tensors), watch:
+            with torch.enable_grad(), recording(graph, tensors):
                 graph.leaves = [new[i] for i in wrt]
-                out = self._batched(in_dims)(*_tree.tree_unflatten(tree, new))
+                with watch:
+                    out = self._batched(in_dims)(*_tree.tree_unflatten(tree, new))
+                # Inside the recording (saved indices may be views of its inputs), outside
+                # the watch (the walk asks about autograd itself).
+                repeats = _repeated_write(_tree.tree_leaves(out))
         except Exception:  # noqa: BLE001 - the call without a graph raises fn's own error
             # What torch.func.vmap batches only beneath an autograd level of its own (a
             # composite op such as column_stack decomposed), which refuses saved-tensor
@@ -159,6 +170,9 @@ class BatchedRecordedForward(DerivedFunction):
             return self._without_graph(primals, mark, state, device)
         if watch.asked:  # its answers were wrong here: again, with torch.func's levels
             facts["asks_autograd"] = True
+            del out, graph, new
+            return self._without_graph(primals, mark, state, device)
+        if repeats:  # its derivative, as recorded, would count a repeated target again
             del out, graph, new
             return self._without_graph(primals, mark, state, device)
         outs = [as_tensor(o, device) for o in _tree.tree_leaves(out)]
@@ -252,6 +266,68 @@ class BatchedTapedVjp(DerivedFunction):
 
     def call_failure(self, error: Exception, in_tree: Any = None) -> Exception:
         return self._batched().call_failure(error, in_tree)
+
+
+def _repeats_along(index: torch.Tensor, dim: int) -> bool:
+    """Whether two entries of `index` on one line along `dim` are equal (one target
+    written twice by a scatter along `dim`)."""
+    if index.dim() == 0 or index.shape[dim] < 2:
+        return False
+    if index.stride(dim) == 0:  # an expansion: every entry on a line is the same
+        return True
+    ordered = index.sort(dim).values
+    return bool(
+        (
+            ordered.narrow(dim, 1, index.shape[dim] - 1)
+            == ordered.narrow(dim, 0, index.shape[dim] - 1)
+        ).any()
+    )
+
+
+def _repeats(index: torch.Tensor) -> bool:
+    return _repeats_along(index.reshape(-1), 0)
+
+
+def _index_put_repeats(node: Any) -> bool:
+    """Whether an index_put (not accumulating) writes one position twice."""
+    if node._saved_accumulate:
+        return False
+    indices = [i for i in node._saved_indices if i is not None]
+    if not indices:
+        return False
+    if any(i.dtype == torch.bool for i in indices):
+        # A mask names each position once; mixed with integer indices, take no chances.
+        return len(indices) > 1
+    rows = torch.broadcast_tensors(*indices)
+    keys = torch.stack([r.reshape(-1) for r in rows], dim=1)
+    return keys.shape[0] > 1 and torch.unique(keys, dim=0).shape[0] < keys.shape[0]
+
+
+# The writes whose derivative assumes each target is written once, by autograd node type:
+# what tells, from the node's saved arguments, that some target is written again.
+_WRITE_REPEATS = {
+    "ScatterBackward0": lambda n: _repeats_along(n._saved_index, n._saved_dim),
+    "IndexCopyBackward0": lambda n: _repeats(n._saved_index),
+    "PutBackward0": lambda n: not n._saved_accumulate and _repeats(n._saved_index),
+    "IndexPutBackward0": _index_put_repeats,
+}
+
+
+def _repeated_write(outputs: list[Any]) -> bool:
+    """Whether the graph behind `outputs` holds a write that repeats a target (see the
+    banner): one walk over its nodes, each visited once."""
+    seen = set()
+    stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        check = _WRITE_REPEATS.get(type(node).__name__)
+        if check is not None and check(node):
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 def _leaf_on(view: torch.Tensor) -> torch.Tensor:

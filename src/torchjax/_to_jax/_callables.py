@@ -123,6 +123,14 @@ _tree = jax.tree_util
 
 
 # -- the user's function ------------------------------------------------------------------
+def types_key(args: Any) -> tuple:
+    """A call's signature as abstract eval sees it: structure, input types and static
+    leaves, x64, torch's default dtype (a new trace after set_default_dtype finds its
+    types again)."""
+    leaves, tree = _tree.tree_flatten(args)
+    return (tree, tuple(leaves), jax.config.jax_enable_x64, torch.get_default_dtype())
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class UserFunction:
     """The user's torch function, called as ``fn(*args, **kwargs)``.
@@ -150,6 +158,11 @@ class UserFunction:
     # one UserFunction per state it meets (`variant`).
     autocast: tuple = ()
     variants: dict = dataclasses.field(default_factory=dict, repr=False)
+    # Output types its eager calls found by running for real, per signature (types_key):
+    # where a fake run cannot find them (code that reads values), a later abstract eval of
+    # the same signature (an eager transform, a jax.jit) takes these, and every real call
+    # is still checked against them.
+    real_types: dict = dataclasses.field(default_factory=dict, repr=False)
 
     # Torch runs it with grad mode off: JAX does the differentiating, and a graph recorded
     # for closed-over parameters that require grad would only cost time and memory.
@@ -218,7 +231,18 @@ class UserFunction:
         return jax.ShapeDtypeStruct(shape, dtype)
 
     def fake_types(self, args: tuple) -> Any:
-        """Output types from one run on fake tensors (of the original, if compiled)."""
+        """Output types from one run on fake tensors (of the original, if compiled); where
+        that cannot run (code that reads values), from a real run of the same signature,
+        if one was made (real_types)."""
+        try:
+            return self._fake_types(args)
+        except ShapeInferenceError:
+            found = self.real_types.get(types_key(args))
+            if found is None:
+                raise
+            return found
+
+    def _fake_types(self, args: tuple) -> Any:
         target = fake_target(self.fn)
         try:
             call = lambda a, k: as_jax_tree(target(*a, **k))

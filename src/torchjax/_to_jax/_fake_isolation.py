@@ -36,16 +36,23 @@ from torchjax._to_jax._snapshots import (
     ListSnapshot,
     ModuleSnapshot,
 )
+from torchjax._to_jax._user_objects import (
+    class_attribute,
+    instance_dict,
+    is_instance,
+    is_lru_cache,
+    items,
+    partial_parts,
+)
+from torchjax._to_jax._user_objects import (
+    size as container_size,
+)
 
 # -- what a function can reach -------------------------------------------------------------
 _MAX_DEPTH = 4  # function -> closure -> object -> attribute -> module
 _MAX_OBJECTS = 5000
 _MAX_ITEMS = 10000  # a container larger than this is data, not state: neither read nor kept
 _LEAVES = (type, types.ModuleType, torch.Tensor, str, bytes, int, float, complex, bool)
-
-
-def _is_lru_cache(obj: Any) -> bool:
-    return callable(obj) and hasattr(obj, "cache_clear") and hasattr(obj, "cache_info")
 
 
 def _code_names(code: types.CodeType) -> set[str]:
@@ -76,14 +83,15 @@ class Reachable:
         todo = collections.deque([(fn, 0)])
         while todo and len(self._seen) < _MAX_OBJECTS:
             obj, depth = todo.popleft()
-            if obj is None or isinstance(obj, _LEAVES) or id(obj) in self._seen:
+            if obj is None or is_instance(obj, _LEAVES) or id(obj) in self._seen:
                 continue
             self._seen.add(id(obj))
             todo.extend((child, depth + 1) for child in self._visit(obj, depth))
 
     def _visit(self, obj: Any, depth: int) -> list:
-        """Record obj; return what it refers to that a call may read, if not too deep."""
-        if isinstance(obj, torch.nn.Module):
+        """Record obj; return what it refers to that a call may read, if not too deep.
+        Nothing of the user's runs here (_user_objects.py)."""
+        if is_instance(obj, torch.nn.Module):
             found = []
             for m in obj.modules():
                 if isinstance(m, torch.jit.ScriptModule):
@@ -96,20 +104,20 @@ class Reachable:
                     self.snapshots.append(ModuleSnapshot(m))
                     # The code a module runs names globals too (a cached helper, say), and
                     # its own attributes may be objects with state of their own.
-                    forward = getattr(type(m), "forward", None)
+                    forward = class_attribute(type(m), "forward")
                     if isinstance(forward, types.FunctionType):
                         found.append(forward)
                     found += [
                         v
                         for k, v in m.__dict__.items()
-                        if k not in TORCH_ENTRIES and not isinstance(v, torch.nn.Module)
+                        if k not in TORCH_ENTRIES and not is_instance(v, torch.nn.Module)
                     ]
             return found
-        if _is_lru_cache(obj):
+        if is_lru_cache(obj):
             self.caches.append(obj)
-            return [getattr(obj, "__wrapped__", None)]
+            return [(instance_dict(obj) or {}).get("__wrapped__")]
         last = depth >= _MAX_DEPTH
-        if isinstance(obj, types.FunctionType):
+        if is_instance(obj, types.FunctionType):
             g, names = obj.__globals__, _code_names(obj.__code__)
             names = [n for n in names if n in g]
             self.snapshots.append(DictSnapshot(g, names))
@@ -118,30 +126,29 @@ class Reachable:
             found = [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
             found += [g[n] for n in names]
             return found + list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
-        if isinstance(obj, types.MethodType):
+        if is_instance(obj, types.MethodType):
             return [obj.__self__, obj.__func__]
-        # (the built-in types' own methods: a subclass's may mean something else; see
-        # _snapshots.py)
-        if isinstance(obj, list):
-            if list.__len__(obj) > _MAX_ITEMS:
+        if is_instance(obj, list):
+            if container_size(obj) > _MAX_ITEMS:
                 return []
             self.snapshots.append(ListSnapshot(obj))
-            return [] if last else list.copy(obj)
-        if isinstance(obj, dict):
-            if dict.__len__(obj) > _MAX_ITEMS:
+            return [] if last else items(obj)
+        if is_instance(obj, dict):
+            if container_size(obj) > _MAX_ITEMS:
                 return []
             self.snapshots.append(DictSnapshot(obj))
-            return [] if last else list(dict.values(obj))
-        if isinstance(obj, tuple | set | frozenset):
-            return [] if last or len(obj) > _MAX_ITEMS else list(obj)
-        if hasattr(obj, "func") and hasattr(obj, "args") and hasattr(obj, "keywords"):  # partial
-            return [obj.func, *obj.args, *obj.keywords.values()]
-        attrs = getattr(obj, "__dict__", None)
-        if not isinstance(attrs, dict):
+            return [] if last else items(obj)
+        if is_instance(obj, tuple | set | frozenset):
+            return [] if last or container_size(obj) > _MAX_ITEMS else items(obj)
+        parts = partial_parts(obj)
+        if parts is not None:
+            return parts
+        attrs = instance_dict(obj)
+        if attrs is None:
             return []
         self.snapshots.append(DictSnapshot(attrs))
         found = [] if last else list(attrs.values())
-        call = getattr(type(obj), "__call__", None)  # noqa: B004 - the method, not callable()
+        call = class_attribute(type(obj), "__call__")
         if isinstance(call, types.FunctionType):
             found.append(call)
         return found
@@ -251,7 +258,7 @@ def _take_back(ref: weakref.ref) -> None:
     if t is None:
         return
     for holder in _holders(t):
-        if _is_lru_cache(holder):
+        if is_lru_cache(holder):
             holder.cache_clear()
     for r in gc.get_referrers(t):
         if type(r) in (dict, collections.OrderedDict) and not _is_namespace(r):
@@ -267,7 +274,7 @@ def _keys_of(d: dict, value: Any) -> list:
 
 def _is_namespace(d: dict) -> bool:
     """Whether `d` is an object's attributes or a module's globals (not a plain dict)."""
-    return any(getattr(o, "__dict__", None) is d for o in gc.get_referrers(d))
+    return any(instance_dict(o) is d for o in gc.get_referrers(d))
 
 
 def _cache_size(cache: Any) -> int | None:
@@ -304,7 +311,7 @@ def _describe(t: Any) -> str:
             for owner in gc.get_referrers(r):
                 if isinstance(owner, types.ModuleType) and owner.__dict__ is r:
                     return f"the global {key!r} of module {owner.__name__}"
-                if getattr(owner, "__dict__", None) is r:
+                if instance_dict(owner) is r:
                     return f"the attribute {key!r} of a {type(owner).__qualname__} object"
             return f"a dict, under the key {key!r}"
         if isinstance(r, list | tuple | set):

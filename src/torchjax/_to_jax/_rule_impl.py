@@ -56,7 +56,7 @@ from torchjax._to_jax._call_plan import (
     plan_for,
     to_jax_outputs,
 )
-from torchjax._to_jax._callables import UserFunction
+from torchjax._to_jax._callables import UserFunction, types_key
 from torchjax._to_jax._fake_run import fake_runs, output_struct, real_mode
 from torchjax._to_jax._guard import owns_memory_alone
 from torchjax._to_jax._outputs import as_jax_tree
@@ -107,6 +107,17 @@ def bind_eager(
     if bound.hot is None or bound.hot.signature is not signature:
         bound.hot = HotCall.of(operands, in_tree, statics, x64, signature)
     return out
+
+
+def types_from_a_real_run(values: list, in_tree: Any, statics: tuple, bound: Any) -> bool:
+    """Run the user's function (without declared types) on the concrete `values` of a
+    traced bind, so that its output types are kept (UserFunction.real_types) for the
+    trace's abstract eval; False for any other function (its fake run's error stands)."""
+    fn = dict(bound.items)["fn"]
+    if type(fn) is not UserFunction or fn.result_shape_dtypes is not None:
+        return False
+    real_run(values, in_tree, statics, bound.items, {})
+    return True
 
 
 class HotCall:
@@ -418,6 +429,9 @@ def real_run(operands: list, in_tree: Any, statics: tuple, params: tuple, memo: 
         if check is not None:
             check(*args[0], **args[1])
         plan = memo["plan"] = plan_for(fn, in_tree, statics, (), None)
+        # The signature as abstract eval will see it: this call's types serve it.
+        avals = [jax.typeof(x) for x in operands]
+        memo["types_key"] = types_key(_tree.tree_unflatten(in_tree, _fill(statics, avals)))
     device = None
     for x in operands:
         if type(x) is ArrayImpl and array_committed(x):
@@ -452,6 +466,8 @@ def _untyped_outputs(plan, box, device, memo, in_tree, statics) -> Any:
     if "typed" not in memo:
         structs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
         memo["typed"] = plan_for(plan.fn, in_tree, statics, tuple(structs), out_tree)
+        if type(plan.fn) is UserFunction and "types_key" in memo:
+            store(plan.fn.real_types, memo["types_key"], _tree.tree_unflatten(out_tree, structs))
     return _tree.tree_unflatten(out_tree, outs)
 
 

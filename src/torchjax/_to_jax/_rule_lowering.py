@@ -37,6 +37,7 @@ from torchjax._convert import (
     narrow_checked,
     torch_dtype,
 )
+from torchjax._primitive._core import lowering_is_partitioned
 from torchjax._to_jax._batched_tape import BatchedTapedVjp
 from torchjax._to_jax._call_plan import CallPlan, plan_for, plan_parts
 from torchjax._to_jax._callables import RecordedForward, VjpFunction
@@ -106,6 +107,16 @@ def callback_call(
     A call that `draws` random numbers from torch's generator is staged as having a side
     effect: XLA would otherwise merge two such calls on the same inputs into one (two
     dropout masks would be one), or drop one whose outputs go unused."""
+    if draws and lowering_is_partitioned():
+        # Partitioned, a side-effecting call needs a sharding (XLA's partitioner refuses
+        # one without), which jax's io_callback gives (once, on one device; per device in
+        # shard_map) and buffer_callback does not: the host-copying callback, for this case.
+        # Its outputs come out pinned to that one device, a sharding later JAX operations
+        # on them cannot convert (jax 0.10): the barrier leaves the partitioner free to
+        # place them.
+        run = _notes_in_message(run)
+        outs = _pure_callback_call(run, operands, out_structs, out_paths, draws)
+        return list(jax.lax.optimization_barrier(list(outs)))
     if not USE_BUFFER_CALLBACK:
         run = _notes_in_message(run)
         return _pure_callback_call(run, operands, out_structs, out_paths, draws)

@@ -11,12 +11,14 @@ import copy
 import enum
 import operator
 import types
+from itertools import chain
 from typing import Any
 
 import torch
 
 from torchjax._compat._torch import is_fake, module_buffers, module_children, module_parameters
 from torchjax._compat._torch import tensor_version as _version
+from torchjax._to_jax._user_objects import instance_dict, items
 
 # Entries every nn.Module has in its __dict__ (hook tables, flags): torch's bookkeeping,
 # which a forward does not change. Other dicts, lists and sets are the module's own state
@@ -149,9 +151,10 @@ class NestedState:
     forward may change in place (`self.calls += 1` on a tensor is in place).
 
     Taken of a private module copy, whose objects are its own (a deep copy): a change is
-    the forward's, and restoring it touches nobody else's. Containers and objects' __dict__s
-    compare in C (entries that are the same object are equal without asking); tensors by
-    version counter, each restored from a copy of its data taken with the snapshot.
+    the forward's, and restoring it touches nobody else's. Nothing of the user's runs
+    (_user_objects.py): containers and objects' __dict__s are read through the built-in
+    types and compared by the identity of what they hold, in C; tensors by version counter,
+    each restored from a copy of its data taken with the snapshot.
     """
 
     def __init__(self, snapshots: list, skip: set):
@@ -165,13 +168,14 @@ class NestedState:
                 if k not in TORCH_ENTRIES:
                     if type(v) in _CONTAINERS:  # its entries are ModuleSnapshot's; not below
                         seen.add(id(v))
-                        for x in v.values() if isinstance(v, dict) else v:
+                        for x in items(v):
                             self._walk(x, seen, budget)
                     else:
                         self._walk(v, seen, budget)
-        self.saved_dicts = [dict(d) for d in self.dicts]
-        self.saved_lists = [list(x) for x in self.lists]
-        self.saved_others = [copy.copy(x) for x in self.others]
+        self.saved_dicts = [dict.copy(d) for d in self.dicts]
+        self.saved_lists = [list.copy(x) for x in self.lists]
+        self.saved_others = [items(x) for x in self.others]
+        self.identities = self._identities()
         self.data = [t.detach().clone() for t in self.tensors]
         self.versions = [_version(t) for t in self.tensors]
         self.empty = not (self.dicts or self.lists or self.others or self.tensors)
@@ -180,46 +184,52 @@ class NestedState:
         stack = [v]
         while stack and budget[0] > 0:
             v = stack.pop()
-            if isinstance(v, _ATOMIC) or id(v) in seen or isinstance(v, _NOT_STATE):
+            t = type(v)
+            if issubclass(t, _ATOMIC) or id(v) in seen or issubclass(t, _NOT_STATE):
                 continue
             seen.add(id(v))
-            if isinstance(v, torch.Tensor):
+            if issubclass(t, torch.Tensor):
                 if not is_fake(v) and v.device.type != "meta" and v.layout == torch.strided:
                     self.tensors.append(v)
                     budget[0] -= 1
                 continue
-            if isinstance(v, dict):
+            contents = items(v)
+            if issubclass(t, dict):
                 self.dicts.append(v)
-                items: Any = list(v.values())
-            elif isinstance(v, list):
+            elif issubclass(t, list):
                 self.lists.append(v)
-                items = list(v)
-            elif isinstance(v, set | collections.deque):
+            elif issubclass(t, set | collections.deque):
                 self.others.append(v)
-                items = list(v)
-            elif isinstance(v, tuple | frozenset):
-                items = list(v)
-            else:
-                d = getattr(v, "__dict__", None)
-                if type(d) is not dict:
-                    continue  # no state Python can see (a C object, __slots__ alone)
+            elif contents is None:  # an object: its attributes, where Python stores them
+                d = instance_dict(v)
+                if d is None:
+                    continue  # no state the walk can read (a C object, __slots__ alone)
                 self.dicts.append(d)
-                items = list(d.values())
-            budget[0] -= len(items) + 1
-            stack.extend(items)
+                contents = list(d.values())
+            budget[0] -= len(contents) + 1
+            stack.extend(contents)
+
+    def _identities(self) -> tuple:
+        """What the containers hold, as the ids of their keys and values (and their
+        sizes, so that an entry moved from one to another shows)."""
+        return (
+            list(map(dict.__len__, self.dicts)),
+            list(map(id, chain.from_iterable(map(dict.keys, self.dicts)))),
+            list(map(id, chain.from_iterable(map(dict.values, self.dicts)))),
+            list(map(list.__len__, self.lists)),
+            list(map(id, chain.from_iterable(map(list.copy, self.lists)))),
+            [sorted(map(id, items(x))) for x in self.others],
+        )
 
     def changed(self) -> bool:
+        # The saved copies keep every object they held alive: an id seen again is the same
+        # object, not a new one at a freed address.
         if self.empty:
             return False
-        try:
-            return (
-                self.dicts != self.saved_dicts
-                or self.lists != self.saved_lists
-                or self.others != self.saved_others
-                or list(map(_version, self.tensors)) != self.versions
-            )
-        except Exception:  # an entry's __eq__ did not say "equal" (a tensor's elementwise)
-            return True
+        return (
+            self._identities() != self.identities
+            or list(map(_version, self.tensors)) != self.versions
+        )
 
     def restore(self) -> None:
         for d, saved in zip(self.dicts, self.saved_dicts, strict=True):
@@ -228,8 +238,12 @@ class NestedState:
         for x, saved in zip(self.lists, self.saved_lists, strict=True):
             list.__setitem__(x, slice(None), saved)
         for x, saved in zip(self.others, self.saved_others, strict=True):
-            x.clear()
-            x.update(saved) if isinstance(x, set) else x.extend(saved)
+            if isinstance(x, set):
+                set.clear(x)
+                set.update(x, saved)
+            else:
+                collections.deque.clear(x)
+                collections.deque.extend(x, saved)
         with torch.no_grad():
             for k, (t, data) in enumerate(zip(self.tensors, self.data, strict=True)):
                 if _version(t) != self.versions[k]:

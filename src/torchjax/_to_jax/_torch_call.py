@@ -26,12 +26,14 @@ from typing import Any
 import torch
 
 from torchjax._compat._jax import (
+    concrete_value,
     hide_frames_under,
     jax_config,
     register_dce,
     register_linearization,
 )
 from torchjax._compat._jax import partial_eval as pe
+from torchjax._errors import ShapeInferenceError
 from torchjax._primitive._core import PytreePrimitive
 
 
@@ -48,6 +50,19 @@ class TorchCallPrimitive(PytreePrimitive):
 
     def _bind_eager(self, operands: list, in_tree: Any, statics: tuple, bound: Any) -> Any:
         return _rule_impl.bind_eager(self, operands, in_tree, statics, bound, jax_config.enable_x64)
+
+    def _traced_bind_signature(self, bound, in_tree, statics, avals, operands) -> Any:
+        try:
+            return self._signature(bound, in_tree, statics, avals).traced
+        except ShapeInferenceError:
+            # An eager transform (jax.grad, jax.jvp) of the user's function: the trace
+            # knows the values, so a real run gives the types, as an eager call's do.
+            values = [concrete_value(x) for x in operands]
+            if any(v is None for v in values):
+                raise
+            if not _rule_impl.types_from_a_real_run(values, in_tree, statics, bound):
+                raise
+            return self._signature(bound, in_tree, statics, avals).traced
 
     def _flat_impl(self, operands, *, in_tree, statics, signature, params) -> list:
         return _rule_impl.impl(
