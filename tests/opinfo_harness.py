@@ -12,14 +12,23 @@
 #             an input too large for a second-order transform)
 #
 # References never come from torchjax: only the op called on torch tensors and torch's own
-# transforms. Not a test module (no `test_` prefix): tests/test_conformance.py and
-# tools/conformance.py import it.
+# transforms.
+#
+# A profile (PROFILES) fixes the dtype regime of a run: JAX's x64 mode, the samples' dtype
+# and the default tolerances. "float64" (x64 on, float64 samples) checks the numbers as
+# closely as torch can; "float32" (x64 off, float32 samples) is what most users run: 64-bit
+# values reach JAX as 32-bit ones (int64 indices as int32 arrays), and a torch output of a
+# 64-bit dtype is expected back as JAX's 32-bit counterpart. Select one with
+# `with profile("float32"):` or `run(..., profile="float32")`. Not a test module (no `test_`
+# prefix): tests/test_conformance.py and tools/conformance.py import it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import itertools
+import re
 import signal
 import time
 import warnings
@@ -46,9 +55,17 @@ PASS, MISMATCH, ERROR, SKIP = "pass", "mismatch", "error", "skip"
 
 # In order of preference: the first one the op supports on CPU is the samples' dtype.
 SAMPLE_DTYPES = (torch.float64, torch.float32, torch.int64, torch.bool, torch.complex128)
+# With x64 off: no float64 (it would reach JAX as float32 anyway). int64 stays: integer
+# samples are int64 for torch's oracle, as torch's own samplers make them, and reach JAX as
+# int32 arrays, what a user with x64 off has.
+SAMPLE_DTYPES_FLOAT32 = (torch.float32, torch.int64, torch.bool, torch.complex64)
 RTOL = 1e-6
 ATOL = 1e-6
-RTOL_FLOAT32 = ATOL_FLOAT32 = 1e-5  # for ops without float64 support
+# float32 and complex64 samples, and every sample under the float32 profile. torchjax calls
+# the same torch kernels as the oracle, so only the JAX-side glue (the weighted sums of the
+# derivative transforms, vmap's batching) can round differently: a few float32 ulps.
+RTOL_FLOAT32 = ATOL_FLOAT32 = 1e-5
+_LOW_PRECISION = (torch.float32, torch.complex64)
 MAX_SAMPLES = 6  # applicable non-empty samples kept per op
 EMPTY_SAMPLES = 2  # and samples with an empty tensor
 SCANNED_SAMPLES = 64  # samples looked at per op
@@ -80,6 +97,7 @@ class Result:
     message: str = ""
     max_abs_err: float | None = None
     seconds: float = 0.0
+    profile: str = ""
 
 
 def op_name(op: OpInfo) -> str:
@@ -96,10 +114,73 @@ def all_ops() -> list[OpInfo]:
     return list(op_db)
 
 
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """A dtype regime for a run: JAX's x64 mode, the samples' dtype (the first of
+    `sample_dtypes` the op supports on CPU) and the default tolerances."""
+
+    name: str
+    x64: bool
+    sample_dtypes: tuple[torch.dtype, ...]
+    rtol: float
+    atol: float
+    description: str
+
+
+PROFILES = {
+    "float64": Profile(
+        "float64",
+        x64=True,
+        sample_dtypes=SAMPLE_DTYPES,
+        rtol=RTOL,
+        atol=ATOL,
+        description="JAX x64 on; float64 samples (else float32, int64, bool, complex128, "
+        "the first the op supports); rtol = atol = 1e-6 (1e-5 for float32 samples)",
+    ),
+    "float32": Profile(
+        "float32",
+        x64=False,
+        sample_dtypes=SAMPLE_DTYPES_FLOAT32,
+        rtol=RTOL_FLOAT32,
+        atol=ATOL_FLOAT32,
+        description="JAX x64 off; float32 samples (else int64, bool, complex64): int64 "
+        "inputs reach JAX as int32, and a 64-bit torch output must come back as JAX's "
+        "32-bit counterpart (int64 as int32, float64 as float32); rtol = atol = 1e-5",
+    ),
+}
+_PROFILE: contextvars.ContextVar[Profile] = contextvars.ContextVar(
+    "opinfo_profile", default=PROFILES["float64"]
+)
+
+
+def current_profile() -> Profile:
+    """The profile `run` uses when not given one: the innermost `profile(...)`, else float64."""
+    return _PROFILE.get()
+
+
+def _get_profile(name: str) -> Profile:
+    if name not in PROFILES:
+        raise ValueError(f"unknown profile {name!r}; expected one of {tuple(PROFILES)}")
+    return PROFILES[name]
+
+
+@contextlib.contextmanager
+def profile(name: str) -> Iterator[Profile]:
+    """The named profile for the duration: `run`'s default, and its x64 mode set in JAX
+    (the previous profile and x64 setting are restored afterwards)."""
+    p = _get_profile(name)
+    token = _PROFILE.set(p)
+    try:
+        with jax.enable_x64(p.x64):
+            yield p
+    finally:
+        _PROFILE.reset(token)
+
+
 @contextlib.contextmanager
 def x64() -> Iterator[None]:
-    """float64 in JAX for the duration, restoring the previous setting afterwards."""
-    with jax.enable_x64(True):
+    """The float64 profile (float64 in JAX) for the duration; `profile("float64")`."""
+    with profile("float64"):
         yield
 
 
@@ -117,13 +198,21 @@ class _Timeout(BaseException):
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+    head = text[0] if text else ""
+    if head.endswith("Traceback (most recent call last):"):
+        # Raised inside a JAX host callback: the traceback's own exception line says why.
+        inner = [line for line in text if re.match(r"[\w.]+(Error|Exception): ", line)]
+        if inner:
+            head = head.removesuffix("Traceback (most recent call last):") + inner[-1]
+    return f"{type(e).__name__}: {head}"[:300]
 
 
-def _tolerances(op: OpInfo, dtype: torch.dtype) -> tuple[float, float]:
-    """(rtol, atol): the defaults, loosened by any toleranceOverride of the OpInfo for the
-    samples' dtype."""
-    rtol, atol = (RTOL, ATOL) if dtype != torch.float32 else (RTOL_FLOAT32, ATOL_FLOAT32)
+def _tolerances(op: OpInfo, dtype: torch.dtype, prof: Profile) -> tuple[float, float]:
+    """(rtol, atol): the profile's defaults (float32's for float32 and complex64 samples),
+    loosened by any toleranceOverride of the OpInfo for the samples' dtype."""
+    rtol, atol = prof.rtol, prof.atol
+    if dtype in _LOW_PRECISION:
+        rtol, atol = max(rtol, RTOL_FLOAT32), max(atol, ATOL_FLOAT32)
     for info in op.decorators:
         decorators = info.decorators if isinstance(info, DecorateInfo) else [info]
         if isinstance(info, DecorateInfo) and info.device_type not in (None, "cpu"):
@@ -135,12 +224,12 @@ def _tolerances(op: OpInfo, dtype: torch.dtype) -> tuple[float, float]:
     return rtol, atol
 
 
-def _sample_dtype(op: OpInfo) -> torch.dtype:
+def _sample_dtype(op: OpInfo, prof: Profile) -> torch.dtype:
     supported = op.supported_dtypes("cpu")
-    for dtype in SAMPLE_DTYPES:
+    for dtype in prof.sample_dtypes:
         if dtype in supported:
             return dtype
-    raise _NotApplicable(f"supports none of {', '.join(map(str, SAMPLE_DTYPES))}")
+    raise _NotApplicable(f"supports none of {', '.join(map(str, prof.sample_dtypes))}")
 
 
 def _normalize(out: Any) -> Any:
@@ -185,9 +274,12 @@ def _random_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 class _Case:
     """One sample of one op, as a function of the sample's tensors (everything else fixed)."""
 
-    def __init__(self, op: OpInfo, sample: Any, dtype: torch.dtype, seed: int) -> None:
+    def __init__(
+        self, op: OpInfo, sample: Any, dtype: torch.dtype, seed: int, prof: Profile
+    ) -> None:
         self.op = op
         self.dtype = dtype
+        self.profile = prof
         self.sample = sample
         leaves, self.spec = torch_pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
         self.leaves = leaves
@@ -237,7 +329,12 @@ class _Case:
 
 
 def _compare(actual: Sequence[Any], expected: Sequence[Any], rtol: float, atol: float) -> Result:
-    """A PASS or MISMATCH record (op and transform left empty)."""
+    """A PASS or MISMATCH record (op and transform left empty).
+
+    Each actual dtype must be the expected one as JAX canonicalizes it under the current x64
+    mode (with x64 off, torch's int64 comes back as int32, float64 as float32, complex128 as
+    complex64; with x64 on, exactly torch's dtype); the values are compared after casting
+    the expected ones to it."""
     if len(actual) != len(expected):
         return Result("", "", MISMATCH, f"{len(actual)} outputs, torch gives {len(expected)}")
     worst = 0.0
@@ -245,8 +342,13 @@ def _compare(actual: Sequence[Any], expected: Sequence[Any], rtol: float, atol: 
         a, e = np.asarray(a), _to_numpy(e)
         if a.shape != e.shape:
             return Result("", "", MISMATCH, f"output {i}: shape {a.shape}, torch gives {e.shape}")
-        if a.dtype != e.dtype:
-            return Result("", "", MISMATCH, f"output {i}: dtype {a.dtype}, torch gives {e.dtype}")
+        want = jax.dtypes.canonicalize_dtype(e.dtype)
+        if a.dtype != want:
+            also = "" if want == e.dtype else f" ({want} with x64 off)"
+            message = f"output {i}: dtype {a.dtype}, torch gives {e.dtype}{also}"
+            return Result("", "", MISMATCH, message)
+        if e.dtype != a.dtype:
+            e = e.astype(a.dtype)
         if a.size == 0:
             continue
         if a.dtype.kind == "V":  # bfloat16, float8: compare the values as float64
@@ -381,12 +483,48 @@ def _run_pair(case: _Case, transform: str, wrap: Callable) -> tuple[Callable, Ca
             lambda: jax.tree.leaves(jax.jacrev(jax.jacrev(g_j))(xj)),
         )
     if transform == "vmap_grad":
-        xb = case.batched(d, gen)
-        return (
-            lambda: [torch.func.vmap(torch.func.grad(s_t))(xb)],
-            lambda: [jax.vmap(jax.grad(s_j))(_to_jax_array(xb))],
-        )
+        # Every floating input batched and differentiated (a batching rule can be wrong for
+        # one input only: select_scatter's was for `src`, its second); where torch.func
+        # cannot differentiate them all, the first alone.
+        floating = [k for k, t in enumerate(T) if t.is_floating_point()]
+        batched = {k: case.batched(k, gen) for k in floating}
+        chosen = [floating]
+
+        def s_all_t(*xs):
+            new = list(T)
+            for k, x in zip(chosen[0], xs, strict=True):
+                new[k] = x
+            leaves = _leaves(case.call(new))
+            return sum((w * leaves[i]).sum() for w, i in zip(weights, fidx, strict=True))
+
+        def s_all_j(*xs):
+            new = list(A)
+            for k, x in zip(chosen[0], xs, strict=True):
+                new[k] = x
+            leaves = jax.tree.leaves(fj(*new))
+            return sum(jnp.sum(w * leaves[i]) for w, i in zip(weights_j, fidx, strict=True))
+
+        def oracle():
+            try:
+                return _vmap_grad_t(s_all_t, [batched[k] for k in chosen[0]])
+            except Exception:
+                if len(chosen[0]) == 1:
+                    raise
+                chosen[0] = [d]
+                return _vmap_grad_t(s_all_t, [batched[d]])
+
+        def candidate():
+            xs = [_to_jax_array(batched[k]) for k in chosen[0]]
+            argnums = tuple(range(len(xs)))
+            return list(jax.vmap(jax.grad(s_all_j, argnums=argnums))(*xs))
+
+        return oracle, candidate
     raise ValueError(f"unknown transform {transform!r}; expected one of {TRANSFORMS}")
+
+
+def _vmap_grad_t(fn: Callable, xs: list) -> list:
+    argnums = tuple(range(len(xs)))
+    return list(torch.func.vmap(torch.func.grad(fn, argnums=argnums))(*xs))
 
 
 # --------------------------------------------------------------------------- the runner
@@ -417,7 +555,9 @@ def _outputs_equal(a: Any, b: Any) -> bool:
         x.shape == y.shape
         and x.dtype == y.dtype
         and (
-            np.allclose(x, y, rtol=1e-12, atol=0, equal_nan=True)
+            np.allclose(
+                x, y, rtol=max(1e-12, 64 * float(np.finfo(x.dtype).eps)), atol=0, equal_nan=True
+            )
             if x.dtype.kind in "fc"
             else np.array_equal(x, y)
         )
@@ -461,21 +601,24 @@ class _Observed(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-_CASES: dict[str, tuple[list[_Case], str]] = {}
+_CASES: dict[tuple[str, str], tuple[list[_Case], str]] = {}  # by (profile, op)
 
 
 def forget(name: str) -> None:
-    """Drop the op's cached samples (the full sweep keeps memory bounded this way)."""
-    _CASES.pop(name, None)
+    """Drop the op's cached samples, in every profile (the full sweep keeps memory bounded
+    this way)."""
+    for key in [k for k in _CASES if k[1] == name]:
+        del _CASES[key]
 
 
-def _cases(name: str) -> tuple[list[_Case], str]:
-    if name not in _CASES:
-        _CASES[name] = _find_cases(name)
-    return _CASES[name]
+def _cases(name: str, prof: Profile) -> tuple[list[_Case], str]:
+    key = (prof.name, name)
+    if key not in _CASES:
+        _CASES[key] = _find_cases(name, prof)
+    return _CASES[key]
 
 
-def _find_cases(name: str) -> tuple[list[_Case], str]:
+def _find_cases(name: str, prof: Profile) -> tuple[list[_Case], str]:
     """Up to MAX_SAMPLES applicable samples, or ([], why none applies).
 
     The first applicable ones among the op's first SCANNED_SAMPLES, in op_db's order except
@@ -488,7 +631,7 @@ def _find_cases(name: str) -> tuple[list[_Case], str]:
     if any(op.name == u or op.name.endswith("." + u) for u in _UNINITIALIZED):
         return [], "uninitialized output"
     try:
-        dtype = _sample_dtype(op)
+        dtype = _sample_dtype(op, prof)
         # small_inputs_only: what torch's own slow gradcheck asks for (20x20 becomes 5x5),
         # unless the sampler passes unknown options on to the op (signal.windows.*).
         first = next(iter(op.sample_inputs("cpu", dtype, small_inputs_only=True)), None)
@@ -508,7 +651,7 @@ def _find_cases(name: str) -> tuple[list[_Case], str]:
             if empty and len(empties) == EMPTY_SAMPLES:
                 continue
             try:
-                case = _Case(op, sample, dtype, seed=zlib.crc32(name.encode()))
+                case = _Case(op, sample, dtype, seed=zlib.crc32(name.encode()), prof=prof)
                 versions = [t._version for t in case.tensors]
                 before = [t.clone() for t in case.tensors]
                 torch.manual_seed(0)
@@ -549,7 +692,7 @@ def _find_cases(name: str) -> tuple[list[_Case], str]:
 
 
 def _run_case(case: _Case, transform: str, time_limit: float | None) -> Result:
-    rtol, atol = _tolerances(case.op, case.dtype)
+    rtol, atol = _tolerances(case.op, case.dtype, case.profile)
     declared: list[Any] = []
 
     def wrap() -> Callable:
@@ -588,7 +731,12 @@ def _run_case(case: _Case, transform: str, time_limit: float | None) -> Result:
 
 
 def run(
-    name: str, transform: str, *, n_samples: int = 1, time_limit: float | None = None
+    name: str,
+    transform: str,
+    *,
+    n_samples: int = 1,
+    time_limit: float | None = None,
+    profile: str | None = None,
 ) -> Result:
     """Classify one (op, transform) pair over the op's first `n_samples` samples.
 
@@ -601,24 +749,26 @@ def run(
         (say, too large for a hessian) gives way to the next; the worst outcome counts
         (error, then mismatch, then pass, then skip).
       time_limit: seconds for each of the oracle and torchjax, per sample (None: no limit).
+      profile: a name in PROFILES; None: the current one (`with profile(...)`, else
+        float64). The run sets the profile's x64 mode in JAX itself.
 
     Returns:
-      A Result. Call it inside `x64()`, so that float64 stays float64.
+      A Result, its `profile` field the profile's name.
 
     Example:
-      >>> with x64():
-      ...     run("sin", "hessian").status
+      >>> run("sin", "hessian", profile="float32").status
       'pass'
     """
     if transform not in TRANSFORMS:
         raise ValueError(f"unknown transform {transform!r}; expected one of {TRANSFORMS}")
+    prof = current_profile() if profile is None else _get_profile(profile)
     start = time.perf_counter()
     results = []
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), jax.enable_x64(prof.x64):
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", FutureWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.")
-        cases, why = _cases(name)
+        cases, why = _cases(name, prof)
         for case in cases:
             results.append(_run_case(case, transform, time_limit))
             if results[-1].status in (ERROR, MISMATCH):
@@ -633,4 +783,6 @@ def run(
             result = dataclasses.replace(found[0], max_abs_err=max(errs) if errs else None)
             break
     seconds = time.perf_counter() - start
-    return dataclasses.replace(result, op=name, transform=transform, seconds=seconds)
+    return dataclasses.replace(
+        result, op=name, transform=transform, seconds=seconds, profile=prof.name
+    )

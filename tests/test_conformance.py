@@ -1,12 +1,14 @@
 # OpInfo conformance (issue 14): a representative subset of torch's own operator database
 # through to_jax, under every transform, against torch itself (tests/opinfo_harness.py).
 # One test per (op, transform): it passes when the pair passes or does not apply (skip),
-# and fails on a mismatch or a torchjax error. The full sweep over all of op_db is
-# tools/conformance.py, whose results are in docs/conformance.md.
+# and fails on a mismatch or a torchjax error. Most run in the float64 profile (x64 on);
+# FLOAT32_OPS also run in the float32 profile (x64 off). The full sweep over all of op_db,
+# in both profiles, is tools/conformance.py, whose results are in docs/conformance.md.
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import pathlib
 import sys
 
@@ -80,6 +82,10 @@ OPS = [
     "flip",
 ]
 
+# In the float32 profile (x64 off): float32 samples, integer indices reaching JAX as int32,
+# integer results (argmax's int64) expected back as int32.
+FLOAT32_OPS = ["sin", "matmul", "gather", "sum", "argmax", "linalg.det"]
+
 
 @pytest.fixture(scope="module", autouse=True)
 def x64():
@@ -93,14 +99,28 @@ def test_subset_names_exist():
     assert not missing, f"not in torch's op_db: {missing}"
 
 
+def _assert_conforms(r):
+    assert r.status in (harness.PASS, harness.SKIP), (
+        f"{r.op} under {r.transform} ({r.profile}): {r.status}: {r.message}"
+        + ("" if r.max_abs_err is None else f" (max abs error {r.max_abs_err:.3g})")
+    )
+
+
 @pytest.mark.parametrize("transform", harness.TRANSFORMS)
 @pytest.mark.parametrize("name", OPS)
 def test_conformance(name, transform):
     r = harness.run(name, transform)
-    assert r.status in (harness.PASS, harness.SKIP), (
-        f"{name} under {transform}: {r.status}: {r.message}"
-        + ("" if r.max_abs_err is None else f" (max abs error {r.max_abs_err:.3g})")
-    )
+    assert r.profile == "float64"
+    _assert_conforms(r)
+
+
+@pytest.mark.parametrize("transform", harness.TRANSFORMS)
+@pytest.mark.parametrize("name", FLOAT32_OPS)
+def test_conformance_float32(name, transform):
+    r = harness.run(name, transform, profile="float32")
+    assert r.profile == "float32"
+    _assert_conforms(r)
+    assert jnp.asarray(1.0).dtype == jnp.float64  # the run restored the module's x64
 
 
 # ---------------------------------------------------------------- the harness can fail
@@ -171,17 +191,81 @@ def test_harness_compares_exactly():
     assert jnp.asarray(1.0).dtype == jnp.float64  # the module's x64 fixture is on
 
 
-def test_sweep_script(tmp_path, monkeypatch):
-    # tools/conformance.py end to end on two ops, with its worker process as in the sweep.
+def test_harness_compares_float32_canonical_dtypes():
+    # With x64 off, a 64-bit torch output comes back narrowed, as JAX canonicalizes it; no
+    # other dtype difference passes, and the values are compared after the cast.
+    e = [torch.tensor([1, 2]), torch.tensor([0.5], dtype=torch.float64), torch.tensor([True])]
+    a = [np.array([1, 2], np.int32), np.array([0.5], np.float32), np.array([True])]
+    with harness.profile("float32") as p:
+        assert p is harness.current_profile() and p.name == "float32"
+        assert jnp.asarray(1.0).dtype == jnp.float32
+        assert harness._compare(a, e, 1e-5, 1e-5).status == harness.PASS
+        for wrong in (
+            [np.array([1, 2], np.int64), *a[1:]],  # not what JAX gives with x64 off
+            [np.array([1, 2], np.int16), *a[1:]],
+            [np.array([1.0, 2.0], np.float32), *a[1:]],  # int64 as float32
+            [a[0], np.array([0.5], np.float16), a[2]],
+            [a[0], np.array([0.5 + 1e-4], np.float32), a[2]],  # beyond tolerance
+            [np.array([1, 3], np.int32), *a[1:]],
+            [*a[:2], np.array([1], np.int32)],  # bool as int32
+        ):
+            result = harness._compare(wrong, e, 1e-5, 1e-5)
+            assert result.status == harness.MISMATCH, (wrong, result)
+    assert harness.current_profile().name == "float64"  # the module's fixture again
+    assert jnp.asarray(1.0).dtype == jnp.float64
+    assert harness._compare(a, e, 1e-5, 1e-5).status == harness.MISMATCH  # x64 on: exact
+
+
+def test_harness_float32_profile_samples_float32():
+    # float32 samples for torch's oracle; integer inputs stay int64 for torch and reach
+    # JAX as int32 (what a user with x64 off has).
+    with harness.profile("float32"):
+        cases, _ = harness._cases("gather", harness.current_profile())
+        tensors = cases[0].tensors
+        assert [t.dtype for t in tensors] == [torch.float32, torch.int64]
+        assert [harness._to_jax_array(t).dtype for t in tensors] == [jnp.float32, jnp.int32]
+    cases, _ = harness._cases("gather", harness.PROFILES["float64"])
+    assert cases[0].tensors[0].dtype == torch.float64
+
+
+def _conformance_script():
     script = pathlib.Path(__file__).resolve().parent.parent / "tools" / "conformance.py"
     spec = importlib.util.spec_from_file_location("conformance_script", script)
     conformance = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(conformance)
+    return conformance
+
+
+def test_sweep_script(tmp_path, monkeypatch):
+    # tools/conformance.py end to end on two ops, with its worker process as in the sweep.
+    conformance = _conformance_script()
     out, log = tmp_path / "conformance.md", tmp_path / "results.jsonl"
     argv = ["conformance.py", "--ops=exp,bernoulli", "--transforms=eager,vjp", "--jobs=1"]
     monkeypatch.setattr(sys, "argv", [*argv, f"--out={out}", f"--json={log}"])
-    conformance.main()
+    assert conformance.main() == 0  # no mismatch, no error: exit status 0
     text = out.read_text()
-    assert "| eager | 1 | 0 | 0 | 1 |" in text and "| vjp | 1 | 0 | 0 | 1 |" in text, text
-    assert "## Mismatches (0)" in text and "## Errors (0)" in text
-    assert len(log.read_text().splitlines()) == 4
+    for p in ("float64", "float32"):  # both profiles by default, a section each
+        section = text.split(f"## Profile {p}")[1].split("## Profile")[0]
+        assert "| eager | 1 | 0 | 0 | 1 |" in section and "| vjp | 1 | 0 | 0 | 1 |" in section
+        assert f"Mismatches, {p} (0)" in section and f"Errors, {p} (0)" in section, text
+    results = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sorted((r["profile"], r["op"]) for r in results) == sorted(
+        (p, op) for p in ("float64", "float32") for op in ("exp", "bernoulli") for _ in "ab"
+    )
+
+
+def test_ci_partition_covers_every_pair():
+    # --ci: every (op, transform) in at least one profile, the profiles alternating over the
+    # sorted ops, and vmap_grad in both.
+    plan = _conformance_script()._plan(
+        ["sum", "abs", "sin"], list(harness.TRANSFORMS), ["float64", "float32"], ci=True
+    )
+    assert len(plan) == len(set(plan)) == 3 * len(harness.TRANSFORMS) + 3
+    assert {(op, t) for _, op, t in plan} == {
+        (op, t) for op in ("sum", "abs", "sin") for t in harness.TRANSFORMS
+    }
+    assert {op for p, op, t in plan if p == "float64" and t == "eager"} == {"abs", "sum"}
+    assert {op for p, op, t in plan if p == "float32" and t == "eager"} == {"sin"}
+    assert {(p, op) for p, op, t in plan if t == "vmap_grad"} == {
+        (p, op) for p in ("float64", "float32") for op in ("sum", "abs", "sin")
+    }

@@ -266,7 +266,20 @@ INT64_OPS = {
 
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("op", sorted(INT64_OPS))
-def test_int32_indices_with_x64_off_get_the_x64_note(op, jit, x64_off):
+def test_int32_indices_with_x64_off_reach_torch_as_int64(op, jit, x64_off):
+    fn, ref = INT64_OPS[op]
+    f = torchjax.to_jax(fn)
+    x, i = jnp.linspace(0.0, 1.0, 6), jnp.array([0, 1])
+    assert i.dtype == jnp.int32
+    tree_close((jax.jit(f) if jit else f)(x, i), ref(x, i))
+    grad = jax.grad(lambda x: f(x, i).sum())
+    tree_close((jax.jit(grad) if jit else grad)(x), jax.grad(lambda x: ref(x, i).sum())(x))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("op", sorted(INT64_OPS))
+def test_int32_indices_without_widening_get_the_x64_note(op, jit, x64_off, monkeypatch):
+    monkeypatch.setattr(torchjax._convert, "WIDEN_INT32", False)  # TORCHJAX_WIDEN_INT32=0
     fn, ref = INT64_OPS[op]
     f = torchjax.to_jax(fn)
     x, i = jnp.linspace(0.0, 1.0, 6), jnp.array([0, 1])
@@ -277,6 +290,7 @@ def test_int32_indices_with_x64_off_get_the_x64_note(op, jit, x64_off):
         out.block_until_ready()
     text = str(info.value) + "\n".join(getattr(info.value, "__notes__", []))
     assert "x64 mode is off" in text and "index.long()" in text and "jax_enable_x64" in text
+    assert "TORCHJAX_WIDEN_INT32" in text
     # The fix it names works:
     fixed = torchjax.to_jax(lambda x, i: fn(x, i.long()))
     tree_close((jax.jit(fixed) if jit else fixed)(x, i), ref(x, i))

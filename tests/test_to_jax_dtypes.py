@@ -83,14 +83,17 @@ def test_int64_output_out_of_int32_range_raises_when_x64_is_off():
 @pytest.mark.parametrize("x64", [False, True])
 def test_numpy_inputs_take_the_dtype_jax_gives_them(x64):
     """A float64/int64 numpy array with x64 off is float32/int32 to JAX (jnp.asarray, jit):
-    torch computes with it so eagerly too, under vmap and jvp as well, as jax.numpy does."""
+    torch computes with it so eagerly too, under vmap and jvp as well, as jax.numpy does;
+    except that an int32 input reaches torch as int64 (torch's indices are), its int64
+    result narrowed back."""
     seen = []
     f = torchjax.to_jax(lambda a: (seen.append(a.dtype), (a + 1e-9) - a)[1])
     g = torchjax.to_jax(lambda i: (i * 3) // 4)
     with jax.enable_x64(x64):
         a, i = np.array([1.0, 2.0]), np.array([2**30, 7], dtype=np.int64)
         want_f = (jnp.asarray(a) + 1e-9) - jnp.asarray(a)  # 0 in float32, 1e-9 in float64
-        want_g = (jnp.asarray(i) * 3) // 4  # wraps around in int32
+        # In int64, then narrowed (it fits): jax.numpy's int32 would wrap around.
+        want_g = ((i.astype(np.int32).astype(np.int64) * 3) // 4).astype(jnp.asarray(i).dtype)
         for call in (lambda h: h, jax.jit):
             np.testing.assert_array_equal(call(f)(a), want_f)
             np.testing.assert_array_equal(call(g)(i), want_g)

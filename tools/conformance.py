@@ -1,9 +1,16 @@
 # The full OpInfo conformance sweep: every op of torch's op_db, every transform of
-# tests/opinfo_harness.py, torch as the oracle. Writes docs/conformance.md: versions, counts
-# per transform, and every mismatch and error. `make conformance` runs it.
+# tests/opinfo_harness.py, torch as the oracle, in each dtype profile of the harness
+# (float64 with JAX's x64 on, float32 with it off). Writes docs/conformance.md: versions,
+# and per profile the counts per transform and every mismatch and error. `make conformance`
+# runs it. The exit status is 1 when any pair is a mismatch or an error, else 0.
 #
-#   python tools/conformance.py                    # the whole sweep (about a quarter hour)
-#   python tools/conformance.py --ops sin,linalg.det --out /tmp/c.md
+#   python tools/conformance.py                    # the whole sweep, both profiles
+#   python tools/conformance.py --ops sin,linalg.det --profile float32 --out /tmp/c.md
+#   python tools/conformance.py --ci               # CI's partition (below), no report file
+#
+# --ci: every op under every transform in ONE profile (ops alternate between the profiles
+# by their index in sorted order), and vmap_grad in both; about 56% of the full sweep, and
+# every (op, transform) pair still runs in at least one dtype.
 from __future__ import annotations
 
 import argparse
@@ -11,6 +18,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import datetime
+import itertools
 import json
 import platform
 import resource
@@ -27,71 +35,149 @@ import opinfo_harness as harness  # noqa: E402
 import torch  # noqa: E402
 
 STATUSES = (harness.PASS, harness.MISMATCH, harness.ERROR, harness.SKIP)
-BATCH_OPS = 20  # ops per worker process: bounded memory, and a crash costs one pair
+FAILURES = (harness.MISMATCH, harness.ERROR)
+PROFILES = tuple(harness.PROFILES)  # ("float64", "float32"): the report's order
+CI_EVERY_PROFILE = ("vmap_grad",)  # transforms --ci runs in every profile, not only one
+# (op, transform, profile) triples per worker process, whole ops at a time. A worker spends
+# 5-6 s importing torch, jax and op_db (2-core VM), and 0.5-1.3 s per op and profile on
+# its pairs: 20 ops in one profile (the old batch, 160 triples) spent 26% of its time
+# starting up on cheap ops, some 9% on the sweep's average. 320 is 20 ops in both profiles,
+# 35 in --ci's partition: about half that share. Not more: a worker's memory grows by some
+# 35 MB per op (both profiles) even with each op's samples forgotten (JAX's caches;
+# jax.clear_caches() stops that but made the pairs 2.6x slower), to 2.9 GB of address
+# space after 320 triples, and each worker is limited to --memory-limit-gb.
+BATCH_TRIPLES = 320
 TIMED_OUT = 3  # a worker's exit code after a pair ran over its time limit
+
+
+class Timing:
+    """Where the workers' wall time went. (Not a dataclass: tests load this script with
+    importlib, outside sys.modules, where dataclasses cannot resolve its annotations.)"""
+
+    def __init__(self, processes: int = 0, startup: float = 0.0, total: float = 0.0) -> None:
+        self.processes = processes
+        self.startup = startup  # process start to imports done (torch, jax, op_db, harness)
+        self.total = total  # process start to exit
+
+    def __iadd__(self, other: Timing) -> Timing:
+        self.processes += other.processes
+        self.startup += other.startup
+        self.total += other.total
+        return self
 
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _report(
-    results: list[harness.Result], args: argparse.Namespace, seconds: float, cpu_seconds: float
-) -> str:
+def _plan(
+    names: list[str], transforms: list[str], profiles: list[str], ci: bool
+) -> list[tuple[str, str, str]]:
+    """The (profile, op, transform) triples to run, those of one op together.
+
+    ci: each op in one profile under every transform (the profiles alternate over the ops'
+    sorted order), and under CI_EVERY_PROFILE in the other profiles too."""
+    triples = []
+    for i, name in enumerate(sorted(names) if ci else names):
+        home = profiles[i % len(profiles)]
+        for p in profiles:
+            triples += [
+                (p, name, t) for t in transforms if not ci or p == home or t in CI_EVERY_PROFILE
+            ]
+    return triples
+
+
+def _counts_table(results: list[harness.Result], transforms: list[str]) -> list[str]:
     counts = collections.Counter((r.transform, r.status) for r in results)
+    lines = ["| transform | " + " | ".join(STATUSES) + " |", "|---|" + "---|" * len(STATUSES)]
+    for t in transforms:
+        lines.append(f"| {t} | " + " | ".join(str(counts[t, s]) for s in STATUSES) + " |")
+    total = " | ".join(str(sum(counts[t, s] for t in transforms)) for s in STATUSES)
+    lines.append(f"| **all** | {total} |")
+    return lines
+
+
+def _report(
+    results: list[harness.Result],
+    args: argparse.Namespace,
+    transforms: list[str],
+    seconds: float,
+    cpu_seconds: float,
+    timing: Timing,
+) -> str:
     ops = sorted({r.op for r in results})
+    profiles = [p for p in PROFILES if any(r.profile == p for r in results)]
+    mode = (
+        "CI partition (each op under every transform in one profile, alternating over the "
+        f"sorted ops, and {', '.join(CI_EVERY_PROFILE)} in both)"
+        if args.ci
+        else "every op under every transform in every profile"
+    )
     lines = [
         "# OpInfo conformance",
         "",
         "Every operator of torch's own OpInfo database (`op_db`) called through",
         "`torchjax.to_jax` under each transform, compared with torch itself: the op called",
-        "directly, `torch.func` and `torch.autograd.grad`. Generated by `make conformance`",
-        "(`tools/conformance.py`); the harness is `tests/opinfo_harness.py`, and",
-        "`tests/test_conformance.py` runs a representative subset in the test suite.",
+        "directly, `torch.func` and `torch.autograd.grad`, in two dtype profiles. Generated",
+        "by `make conformance` (`tools/conformance.py`); the harness is",
+        "`tests/opinfo_harness.py`, and `tests/test_conformance.py` runs a representative",
+        "subset in the test suite.",
         "",
         f"* date: {datetime.date.today().isoformat()}",
         f"* torch {torch.__version__}, jax {jax.__version__}, Python {platform.python_version()}",
-        f"* {len(ops)} ops, {len(results)} (op, transform) pairs, float64, "
+        f"* {len(ops)} ops, {len(results)} (op, transform, profile) triples: {mode}; "
         f"{args.samples} samples per pair where they apply, time limit {args.time_limit:g} s "
         f"per side, {args.jobs} worker processes; the sweep took {seconds / 60:.1f} min "
-        f"({cpu_seconds / 60:.1f} min of CPU time)",
+        f"({cpu_seconds / 60:.1f} min of CPU time); worker processes: {timing.processes}, "
+        f"their start-ups (importing torch, jax and op_db) {timing.startup / 60:.1f} min of "
+        f"their {timing.total / 60:.1f} min",
         "",
-        "Classes: **pass**; **mismatch** (both ran, results differ beyond rtol/atol 1e-6 or",
-        "the OpInfo's own float64 tolerance); **error** (torch ran, torchjax raised);",
-        "**skip** (torch itself fails, or the pair does not apply: random or uninitialized",
-        "outputs, in-place ops, non-tensor or complex outputs for derivatives, integer-only",
-        "ops for derivatives, inputs too large for second-order transforms).",
+        "Profiles:",
         "",
-        "| transform | " + " | ".join(STATUSES) + " |",
+    ]
+    lines += [f"* **{p}**: {harness.PROFILES[p].description}." for p in profiles]
+    lines += [
+        "",
+        "Classes: **pass**; **mismatch** (both ran, results differ beyond the profile's",
+        "rtol/atol or the OpInfo's own tolerance for the samples' dtype, or shapes, output",
+        "counts or dtypes differ, other than JAX's own narrowing of 64-bit dtypes with x64",
+        "off); **error** (torch ran, torchjax raised); **skip** (torch itself fails, or the",
+        "pair does not apply: random or uninitialized outputs, in-place ops, non-tensor or",
+        "complex outputs for derivatives, integer-only ops for derivatives, inputs too large",
+        "for second-order transforms).",
+        "",
+        "| profile | " + " | ".join(STATUSES) + " |",
         "|---|" + "---|" * len(STATUSES),
     ]
-    for t in harness.TRANSFORMS:
-        lines.append(f"| {t} | " + " | ".join(str(counts[t, s]) for s in STATUSES) + " |")
-    total = " | ".join(str(sum(counts[t, s] for t in harness.TRANSFORMS)) for s in STATUSES)
-    lines.append(f"| **all** | {total} |")
+    for p in profiles:
+        counts = collections.Counter(r.status for r in results if r.profile == p)
+        lines.append(f"| {p} | " + " | ".join(str(counts[s]) for s in STATUSES) + " |")
 
-    for status, title in ((harness.MISMATCH, "Mismatches"), (harness.ERROR, "Errors")):
-        found = [r for r in results if r.status == status]
-        lines += ["", f"## {title} ({len(found)})", ""]
-        if not found:
-            lines.append("None.")
-            continue
-        head = (
-            "| op | transform | max abs error | message |"
-            if status == harness.MISMATCH
-            else ("| op | transform | message |")
-        )
-        lines += [head, "|---" * head.count(" | ") + "|---|"]
-        for r in found:
+    for p in profiles:
+        mine = [r for r in results if r.profile == p]
+        lines += ["", f"## Profile {p}", "", harness.PROFILES[p].description + ".", ""]
+        lines += _counts_table(mine, transforms)
+        for status, title in ((harness.MISMATCH, "Mismatches"), (harness.ERROR, "Errors")):
+            found = [r for r in mine if r.status == status]
+            lines += ["", f"### {title}, {p} ({len(found)})", ""]
+            if not found:
+                lines.append("None.")
+                continue
             if status == harness.MISMATCH:
-                err = "" if r.max_abs_err is None else f"{r.max_abs_err:.3g}"
-                lines.append(f"| `{r.op}` | {r.transform} | {err} | {_cell(r.message)} |")
+                lines += ["| op | transform | max abs error | message |", "|---|---|---|---|"]
             else:
-                lines.append(f"| `{r.op}` | {r.transform} | {_cell(r.message)} |")
+                lines += ["| op | transform | message |", "|---|---|---|"]
+            for r in found:
+                if status == harness.MISMATCH:
+                    err = "" if r.max_abs_err is None else f"{r.max_abs_err:.3g}"
+                    lines.append(f"| `{r.op}` | {r.transform} | {err} | {_cell(r.message)} |")
+                else:
+                    lines.append(f"| `{r.op}` | {r.transform} | {_cell(r.message)} |")
 
-    reasons = collections.Counter(_skip_reason(r.message) for r in results if r.status == "skip")
-    lines += ["", "## Skip reasons (most common)", "", "| pairs | reason |", "|---|---|"]
-    lines += [f"| {n} | {_cell(why)} |" for why, n in reasons.most_common(25)]
+        reasons = collections.Counter(_skip_reason(r.message) for r in mine if r.status == "skip")
+        lines += ["", f"### Skip reasons, {p} (most common)", ""]
+        lines += ["| pairs | reason |", "|---|---|"]
+        lines += [f"| {n} | {_cell(why)} |" for why, n in reasons.most_common(25)]
     return "\n".join(lines) + "\n"
 
 
@@ -104,38 +190,50 @@ def _skip_reason(message: str) -> str:
 
 
 def _worker(args: argparse.Namespace) -> None:
-    """Run the (op, transform) pairs given as JSON on stdin; print one JSON line per event."""
+    """Run the (profile, op, transform) triples given as JSON on stdin; print one JSON line
+    per event: imports done, a triple begun, a result."""
+    print(json.dumps({"ready": time.time()}), flush=True)  # the imports are done
     limit = int(args.memory_limit_gb * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    pairs = json.load(sys.stdin)
-    with harness.x64():
-        for name, t in pairs:
-            print(json.dumps({"begin": [name, t]}), flush=True)
-            r = harness.run(name, t, n_samples=args.samples, time_limit=args.time_limit)
-            print(json.dumps(dataclasses.asdict(r)), flush=True)
-            if "_Timeout" in r.message:
-                sys.exit(TIMED_OUT)  # the interrupted state may linger: a fresh process goes on
+    triples = json.load(sys.stdin)
+    previous = None
+    for p, name, t in triples:
+        if previous is not None and name != previous:
+            harness.forget(previous)  # the triples of one op come together
+        previous = name
+        print(json.dumps({"begin": [p, name, t]}), flush=True)
+        r = harness.run(name, t, n_samples=args.samples, time_limit=args.time_limit, profile=p)
+        print(json.dumps(dataclasses.asdict(r)), flush=True)
+        if "_Timeout" in r.message:
+            sys.exit(TIMED_OUT)  # the interrupted state may linger: a fresh process goes on
 
 
-def _run_batch(pairs: list[tuple[str, str]], args: argparse.Namespace) -> list[harness.Result]:
-    """The pairs' results, from as many worker processes as crashes and timeouts need."""
+def _run_batch(
+    triples: list[tuple[str, str, str]], args: argparse.Namespace
+) -> tuple[list[harness.Result], Timing]:
+    """The triples' results, from as many worker processes as crashes and timeouts need."""
     command = [sys.executable, __file__, "--worker", f"--samples={args.samples}"]
     command += [f"--time-limit={args.time_limit}", f"--memory-limit-gb={args.memory_limit_gb}"]
     results: list[harness.Result] = []
-    while pairs:
+    timing = Timing()
+    while triples:
+        started = time.time()
         proc = subprocess.run(
-            command, input=json.dumps(pairs), capture_output=True, text=True, check=False
+            command, input=json.dumps(triples), capture_output=True, text=True, check=False
         )
+        timing += Timing(1, 0.0, time.time() - started)
         begun = None
         for line in proc.stdout.splitlines():
             event = json.loads(line)
-            if "begin" in event:
+            if "ready" in event:
+                timing.startup += event["ready"] - started
+            elif "begin" in event:
                 begun = tuple(event["begin"])
             else:
                 results.append(harness.Result(**event))
                 begun = None
-        done = {(r.op, r.transform) for r in results}
-        if begun is not None:  # the process died inside this pair
+        done = {(r.profile, r.op, r.transform) for r in results}
+        if begun is not None:  # the process died inside this triple
             why = (
                 f"signal {-proc.returncode}"
                 if proc.returncode < 0
@@ -143,66 +241,118 @@ def _run_batch(pairs: list[tuple[str, str]], args: argparse.Namespace) -> list[h
             )
             tail = proc.stderr.strip().splitlines()[-1:] or [""]
             message = f"the process died ({why}): {tail[0][:200]}"
-            results.append(harness.Result(*begun, harness.ERROR, message))
+            p, name, t = begun
+            results.append(harness.Result(name, t, harness.ERROR, message, profile=p))
             done.add(begun)
         elif proc.returncode not in (0, TIMED_OUT):
             raise RuntimeError(f"conformance worker failed: {proc.stderr[-2000:]}")
-        pairs = [p for p in pairs if tuple(p) not in done]
-    return results
+        triples = [x for x in triples if tuple(x) not in done]
+    return results, timing
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def _summary(results: list[harness.Result], transforms: list[str]) -> str:
+    """Counts per profile and transform, and every failing triple, for the terminal."""
+    lines = []
+    for p in PROFILES:
+        mine = [r for r in results if r.profile == p]
+        if mine:
+            lines += [f"{p}:", *("  " + line for line in _counts_table(mine, transforms))]
+    failed = [r for r in results if r.status in FAILURES]
+    lines.append(f"{len(failed)} mismatches and errors" + (":" if failed else ""))
+    lines += [f"  {r.profile} {r.op} {r.transform}: {r.status}: {r.message}" for r in failed]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description="OpInfo conformance sweep; exit status 1 on any mismatch or error."
+    )
     parser.add_argument("--ops", help="comma-separated op names (default: all of op_db)")
     parser.add_argument("--transforms", default=",".join(harness.TRANSFORMS))
+    parser.add_argument(
+        "--profile",
+        choices=[*PROFILES, "both"],
+        default="both",
+        help="dtype profile: float64 (x64 on), float32 (x64 off), or both (default)",
+    )
+    parser.add_argument(
+        "--ci",
+        action="store_true",
+        help="CI partition: each op under every transform in one profile, alternating "
+        f"over the sorted ops, and {', '.join(CI_EVERY_PROFILE)} in both; writes no report "
+        "unless --out is given",
+    )
     parser.add_argument("--samples", type=int, default=1, help="samples that must run per pair")
     parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per side")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes at once")
+    parser.add_argument(
+        "--batch-triples", type=int, default=BATCH_TRIPLES, help="about this many per worker"
+    )
     parser.add_argument("--memory-limit-gb", type=float, default=6.0, help="per worker")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "conformance.md"))
+    parser.add_argument("--out", help="the report (default: docs/conformance.md; none in --ci)")
     parser.add_argument("--json", help="also write every result here, one JSON object a line")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         _worker(args)
-        return
+        return 0
 
     names = args.ops.split(",") if args.ops else [harness.op_name(op) for op in harness.all_ops()]
     unknown = [n for n in names if n not in harness.ops_by_name()]
     if unknown:
         parser.error(f"not in op_db: {unknown}")
     transforms = args.transforms.split(",")
-    batches = [
-        [(name, t) for name in names[i : i + BATCH_OPS] for t in transforms]
-        for i in range(0, len(names), BATCH_OPS)
-    ]
+    unknown = [t for t in transforms if t not in harness.TRANSFORMS]
+    if unknown:
+        parser.error(f"unknown transforms {unknown}; expected some of {harness.TRANSFORMS}")
+    profiles = list(PROFILES) if args.profile == "both" else [args.profile]
+    if args.ci and len(profiles) < 2:
+        parser.error("--ci partitions the ops between both profiles: leave out --profile")
+    out = args.out or (None if args.ci else str(ROOT / "docs" / "conformance.md"))
+
+    triples = _plan(names, transforms, profiles, args.ci)
+    batches: list[list[tuple[str, str, str]]] = [[]]
+    for _, group in itertools.groupby(triples, key=lambda x: x[1]):  # whole ops per batch
+        if len(batches[-1]) >= args.batch_triples:
+            batches.append([])
+        batches[-1] += group
     start = time.perf_counter()
-    results = []
+    results: list[harness.Result] = []
+    timing = Timing()
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         futures = [pool.submit(_run_batch, batch, args) for batch in batches]
         for i, future in enumerate(concurrent.futures.as_completed(futures)):
-            batch_results = future.result()
+            batch_results, batch_timing = future.result()
             results += batch_results
+            timing += batch_timing
             for r in batch_results:
-                if r.status in (harness.MISMATCH, harness.ERROR):
-                    print(f"  {r.op} {r.transform}: {r.status}: {r.message[:100]}", file=sys.stderr)
+                if r.status in FAILURES:
+                    message = f"  {r.profile} {r.op} {r.transform}: {r.status}: {r.message[:100]}"
+                    print(message, file=sys.stderr)
             print(
                 f"[{i + 1}/{len(batches)} batches] {time.perf_counter() - start:.0f} s",
                 file=sys.stderr,
             )
-    order = {(name, t): k for k, (name, t) in enumerate(p for b in batches for p in b)}
-    results.sort(key=lambda r: order[r.op, r.transform])
+    order = {x: k for k, x in enumerate(sorted(triples, key=lambda x: PROFILES.index(x[0])))}
+    results.sort(key=lambda r: order[r.profile, r.op, r.transform])
     seconds = time.perf_counter() - start
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_seconds = children.ru_utime + children.ru_stime
-    Path(args.out).write_text(_report(results, args, seconds, cpu_seconds))
+    if out:
+        Path(out).write_text(_report(results, args, transforms, seconds, cpu_seconds, timing))
     if args.json:
         Path(args.json).write_text(
             "".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in results)
         )
+    print(_summary(results, transforms))
     counts = collections.Counter(r.status for r in results)
-    print(f"wrote {args.out} in {seconds:.0f} s ({cpu_seconds:.0f} s CPU): {dict(counts)}")
+    print(
+        f"{'wrote ' + out + ' ' if out else ''}in {seconds:.0f} s ({cpu_seconds:.0f} s CPU; "
+        f"worker processes: {timing.processes}, their start-ups {timing.startup:.0f} s of "
+        f"their {timing.total:.0f} s): {dict(counts)}"
+    )
+    return 1 if any(r.status in FAILURES for r in results) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

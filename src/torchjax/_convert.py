@@ -10,6 +10,7 @@
 # * tensors that require grad are detached: autograd history does not cross the bridge.
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -443,3 +444,32 @@ def tree_to_torch(tree: Any) -> Any:
         return x
 
     return jax.tree_util.tree_map_with_path(convert, tree)
+
+
+# -- integer inputs with x64 off ---------------------------------------------------------
+# With x64 off (JAX's default) JAX's integer arrays are int32, while torch's indexing code
+# wants int64 (cross_entropy's targets, gather, scatter, index_select, embedding's ids,
+# PyG's edge_index): an int32 input reaches the user's function as an int64 copy (one copy
+# of a usually small array), and an int64 output is narrowed back as every output is.
+# TORCHJAX_WIDEN_INT32=0 hands torch the int32 tensor itself (no copy) instead.
+_INT32 = np.dtype(np.int32)
+WIDEN_INT32 = os.environ.get("TORCHJAX_WIDEN_INT32", "1") != "0"
+
+
+def widens(dtypes: Any) -> bool:
+    """Whether a call with inputs of these (numpy or JAX) dtypes hands torch int64 for
+    int32: x64 is off and one of them is int32."""
+    return WIDEN_INT32 and not _x64.value and any(d == _INT32 for d in dtypes)
+
+
+def widen_int32(tree: Any) -> Any:
+    """`tree` with its int32 tensors as int64 copies, where x64 is off (see above)."""
+    if not WIDEN_INT32 or _x64.value:
+        return tree
+    leaves, structure = jax.tree_util.tree_flatten(tree)
+    if not any(type(x) is not bool and getattr(x, "dtype", None) is torch.int32 for x in leaves):
+        return tree
+    return jax.tree_util.tree_unflatten(
+        structure,
+        [x.long() if isinstance(x, torch.Tensor) and x.dtype is torch.int32 else x for x in leaves],
+    )

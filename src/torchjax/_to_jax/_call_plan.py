@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import torch
 
+from torchjax import _convert
 from torchjax._compat._jax import uncommitted
 from torchjax._compat._messages import (
     expects_tensor,
@@ -33,6 +34,7 @@ from torchjax._convert import (
     several_devices,
     tensor_to_jax,
     torch_dtype,
+    widens,
 )
 from torchjax._errors import (
     ConversionError,
@@ -96,7 +98,9 @@ class CallPlan:
         (or through its ``flat_form``, where it has one).
     """
 
-    def __init__(self, fn, in_tree, template, structs, out_tree, flat_fn: Callable | None):
+    def __init__(
+        self, fn, in_tree, template, structs, out_tree, flat_fn: Callable | None, widen=False
+    ):
         self.fn, self.name = fn, fn.root.name
         # Derived functions run with grad mode on, as torch.func would run them: torch picks
         # other kernels without it (a no-grad backward whose forward-mode derivative is
@@ -122,6 +126,8 @@ class CallPlan:
             self.direct = flat_form(in_tree, self.template)
         if self.direct is None and flat_fn is not None and not self.has_statics:
             self.direct = _unflattening(flat_fn, in_tree)  # nested arrays: a dict of params
+        if widen and self.direct is not None:
+            self.direct = _widening(self.direct)  # (other calls widen in UserFunction)
         self.one_tensor_out = (
             out_tree is not None and out_tree.num_nodes == 1 and out_tree.num_leaves == 1
         )
@@ -234,7 +240,7 @@ class CallPlan:
             note = gpu_oom_note(jax.devices())
             if note is not None:
                 error.add_note(note)
-        if wants_int64(error) and not jax.config.jax_enable_x64:
+        if wants_int64(error) and not jax.config.jax_enable_x64 and not _convert.WIDEN_INT32:
             if any(t.dtype == torch.int32 for t in tensors):
                 error.add_note(INT32_NOTE)
         if expects_tensor(error) and self.fn is self.fn.root and self.has_statics:
@@ -464,9 +470,11 @@ def fake_output_error(name: str, where: str) -> ConversionError:
 
 
 INT32_NOTE = (
-    "(torchjax: JAX's x64 mode is off, so JAX's integer arrays reach torch as int32, and "
-    "this torch op wants int64 indices. Cast them inside the function, `index.long()`, or "
-    "turn x64 on: jax.config.update('jax_enable_x64', True).)"
+    "(torchjax: JAX's x64 mode is off, so JAX's integer arrays are int32, and this torch "
+    "op wants int64 indices. TORCHJAX_WIDEN_INT32=0 is set, which hands torch the int32 "
+    "arrays as they are: unset it (int32 inputs then reach torch as int64), cast them "
+    "inside the function, `index.long()`, or turn x64 on: "
+    "jax.config.update('jax_enable_x64', True).)"
 )
 NUMBER_NOTE = (
     "(torchjax: {paths} reached the function as Python numbers, as they were passed: to_jax "
@@ -577,11 +585,22 @@ def _unflattening(fn: Callable, in_tree: Any) -> Callable:
     return call
 
 
-def plan_for(fn: Any, in_tree: Any, template: tuple, structs: tuple, out_tree: Any) -> CallPlan:
+def plan_for(
+    fn: Any, in_tree: Any, template: tuple, structs: tuple, out_tree: Any, in_dtypes: Any = ()
+) -> CallPlan:
     """The plan of one signature of `fn` (its output types `structs`/`out_tree`, or
-    ``(), None`` where not yet known); the user's own function is called directly."""
+    ``(), None`` where not yet known); the user's own function is called directly, its
+    int32 inputs widened where x64 is off (`in_dtypes`: the operands' dtypes)."""
     flat_fn = fn.fn if fn is fn.root else None
-    return CallPlan(fn, in_tree, template, structs, out_tree, flat_fn)
+    widen = flat_fn is not None and widens(in_dtypes)
+    return CallPlan(fn, in_tree, template, structs, out_tree, flat_fn, widen)
+
+
+def _widening(fn: Callable) -> Callable:
+    def call(*tensors: torch.Tensor) -> Any:
+        return fn(*[t.long() if t.dtype is torch.int32 else t for t in tensors])
+
+    return call
 
 
 def plan_parts(args: tuple, out_types: Any) -> tuple:

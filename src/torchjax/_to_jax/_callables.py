@@ -50,6 +50,7 @@ import jax
 import numpy as np
 import torch
 
+from torchjax import _convert
 from torchjax._compat._messages import (
     custom_op_without_fake_kernel,
     is_autodiff_failure,
@@ -67,7 +68,7 @@ from torchjax._compat._messages import (
     wants_int64,
 )
 from torchjax._compat._torch import FINDS_UNBATCHED, batched_here, is_functorch_wrapped
-from torchjax._convert import torch_dtype
+from torchjax._convert import torch_dtype, widen_int32
 from torchjax._errors import (
     AutodiffError,
     OutputMismatchError,
@@ -191,6 +192,7 @@ class UserFunction:
         return self
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
+        args, kwargs = widen_int32((args, kwargs))  # (x64 off: torch's indices are int64)
         return as_jax_tree(self.fn(*args, **kwargs))
 
     def arg_path(self, path: tuple) -> str:
@@ -246,13 +248,14 @@ class UserFunction:
         target = fake_target(self.fn)
         try:
             call = lambda a, k: as_jax_tree(target(*a, **k))
+            call = lambda a, k, run=call: run(*widen_int32((a, k)))
             facts = {} if getattr(self.fn, "seeded", False) else self.facts
             return fake_eval(call, args, self.name, self.arg_path, state_of=self.fn, facts=facts)
         except TorchJaxError:
             raise
         except Exception as e:
             if not is_fake_limit(e):
-                if wants_int64(e) and not jax.config.jax_enable_x64:
+                if wants_int64(e) and not jax.config.jax_enable_x64 and not _convert.WIDEN_INT32:
                     if any(getattr(x, "dtype", None) == np.int32 for x in _tree.tree_leaves(args)):
                         e.add_note(INT32_NOTE)
                 raise _theirs(e, self.name) from None

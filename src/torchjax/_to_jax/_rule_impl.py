@@ -324,13 +324,17 @@ def _positional(n: int) -> Any:
     return _tree.tree_structure((tuple(range(n)), {}))
 
 
-def _eagerplan_for(in_tree: Any, statics: tuple, signature: Any, params: tuple) -> CallPlan:
+def _eagerplan_for(
+    in_tree: Any, statics: tuple, signature: Any, params: tuple, operands: Any
+) -> CallPlan:
     """The call plan of an eager signature, built on its first call and kept in its memo."""
     plan = signature.memo.get("plan")
     if plan is None:
         fn = dict(params)["fn"]
         structs, out_tree = _tree.tree_flatten(signature.out_types)
-        plan = signature.memo["plan"] = plan_for(fn, in_tree, statics, tuple(structs), out_tree)
+        dtypes = [x.dtype for x in operands]
+        plan = plan_for(fn, in_tree, statics, tuple(structs), out_tree, dtypes)
+        signature.memo["plan"] = plan
     return plan
 
 
@@ -341,7 +345,7 @@ def impl(operands: tuple, *, in_tree: Any, statics: tuple, signature: Any, param
     """
     if fake_runs.depth or torch.is_inference_mode_enabled() or any_autocast():
         return _impl_in_plain_mode(operands, in_tree, statics, signature, params)
-    plan = _eagerplan_for(in_tree, statics, signature, params)
+    plan = _eagerplan_for(in_tree, statics, signature, params, operands)
     device = None
     for x in operands:
         if type(x) is ArrayImpl and array_committed(x):
@@ -428,9 +432,11 @@ def real_run(operands: list, in_tree: Any, statics: tuple, params: tuple, memo: 
         check = getattr(fn.fn, "check_signature", None) if type(fn) is UserFunction else None
         if check is not None:
             check(*args[0], **args[1])
-        plan = memo["plan"] = plan_for(fn, in_tree, statics, (), None)
+        dtypes = [x.dtype for x in operands]
+        plan = memo["plan"] = plan_for(fn, in_tree, statics, (), None, dtypes)
         # The signature as abstract eval will see it: this call's types serve it.
         avals = [jax.typeof(x) for x in operands]
+        memo["dtypes"] = dtypes
         memo["types_key"] = types_key(_tree.tree_unflatten(in_tree, _fill(statics, avals)))
     device = None
     for x in operands:
@@ -465,7 +471,9 @@ def _untyped_outputs(plan, box, device, memo, in_tree, statics) -> Any:
     outs = to_jax_outputs(results, paths, device)
     if "typed" not in memo:
         structs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
-        memo["typed"] = plan_for(plan.fn, in_tree, statics, tuple(structs), out_tree)
+        memo["typed"] = plan_for(
+            plan.fn, in_tree, statics, tuple(structs), out_tree, memo["dtypes"]
+        )
         if type(plan.fn) is UserFunction and "types_key" in memo:
             store(plan.fn.real_types, memo["types_key"], _tree.tree_unflatten(out_tree, structs))
     return _tree.tree_unflatten(out_tree, outs)

@@ -407,7 +407,7 @@ def lowering(*args: Any, fn: Any, options: Any, signature: Any) -> Any:
     this signature (the same checks and errors as an eager call)."""
     del options
     operands, *parts = plan_parts(args, signature.out_types)
-    plan = plan_for(fn, *parts)
+    plan = plan_for(fn, *parts, in_dtypes=[x.dtype for x in operands])
     share = (
         (type(fn) is VjpFunction and fn.with_residuals and not fn.ct_batch)
         or type(fn) is BatchedTapedVjp
