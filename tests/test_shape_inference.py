@@ -3,6 +3,7 @@
 # calls run for real where fakes cannot go, and the user's exceptions stay theirs.
 from __future__ import annotations
 
+import copy
 import threading
 
 import jax
@@ -317,7 +318,8 @@ def test_a_lazy_module_the_function_does_not_call_stays_lazy_and_is_no_obstacle(
 
 # -- eager transforms of code that reads values (issue 45): real data is at hand -----------
 def _log_prob(mu, x):  # torch.distributions validates its arguments by reading values
-    return torch.distributions.Normal(mu, torch.ones_like(mu)).log_prob(x).sum()
+    normal = torch.distributions.Normal(mu, torch.ones_like(mu), validate_args=True)
+    return normal.log_prob(x).sum()
 
 
 _MU, _X = np.array([0.5, -0.2, 1.5], np.float32), np.array([1.0, 2.0, -0.5], np.float32)
@@ -361,3 +363,49 @@ def test_jit_after_an_eager_transform_takes_the_types_of_the_real_run():
     _, (g_mu, _) = _torch_grads()
     np.testing.assert_allclose(jax.jit(jax.grad(f))(_MU, _X), g_mu, rtol=1e-6)
     np.testing.assert_allclose(jax.jit(f)(_MU, _X), _torch_grads()[0], rtol=1e-6)
+
+
+# -- int32 inputs with x64 off reach torch as int64 (cross_entropy targets, labels=) -------
+def test_bert_with_int32_labels_trains_like_torch_with_x64_off():
+    import optax
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=37,
+        vocab_size=100,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    model = transformers.BertForSequenceClassification(cfg).train()
+    reference = copy.deepcopy(model)
+    apply, variables = torchjax.module_to_jax(model)
+    ids = jnp.array([[1, 5, 7, 9], [3, 2, 8, 0]], jnp.int32)
+    labels = jnp.array([2, 0], jnp.int32)
+    assert ids.dtype == labels.dtype == jnp.int32  # x64 off: JAX's integers
+    opt = optax.sgd(0.1)
+
+    @jax.jit
+    def step(params, state):
+        def loss(p):
+            out = apply({"params": p, "buffers": variables["buffers"]}, ids, labels=labels)
+            return out["loss"]
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    params, state = variables["params"], opt.init(variables["params"])
+    torch_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        params, state, value = step(params, state)
+        torch_opt.zero_grad()
+        want = reference(_t(ids).long(), labels=_t(labels).long()).loss
+        want.backward()
+        torch_opt.step()
+        tree_close(value, want.detach(), rtol=1e-5, atol=1e-6)
+    for name, p in reference.named_parameters():
+        tree_close(params[name], p.detach(), rtol=1e-4, atol=1e-5)

@@ -83,6 +83,32 @@ def test_pyg_gcnconv_cached_twice_eagerly():
     np.testing.assert_allclose(conv(x, edge_index).detach().numpy(), want[0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("transform", ["jit", "grad", "vmap"])
+def test_pyg_gcnconv_with_an_int32_edge_index_with_x64_off(transform):
+    from torch_geometric.nn import GCNConv
+
+    torch.manual_seed(0)
+    conv = GCNConv(4, 3)
+    edge_index = torch.tensor([[0, 1, 1, 2, 2, 3], [1, 0, 2, 1, 3, 2]])
+    x = torch.randn(4, 4)
+    # GCNConv's self-loops take a boolean mask (data-dependent shapes): declared types.
+    declared = jax.ShapeDtypeStruct((4, 3), jnp.float32)
+    apply, variables = torchjax.module_to_jax(conv, result_shape_dtypes=declared)
+    xj, ej = jnp.asarray(x.numpy()), jnp.asarray(edge_index.numpy(), jnp.int32)
+    assert ej.dtype == jnp.int32
+    if transform == "jit":
+        got, want = jax.jit(apply)(variables, xj, ej), conv(x, edge_index)
+    elif transform == "grad":
+        got = jax.grad(lambda x: (apply(variables, x, ej) ** 2).sum())(xj)
+        x_t = x.clone().requires_grad_()
+        (want,) = torch.autograd.grad((conv(x_t, edge_index) ** 2).sum(), x_t)
+    else:
+        xs = jnp.stack([xj, 2 * xj])
+        got = jax.vmap(apply, in_axes=(None, 0, None))(variables, xs, ej)
+        want = torch.stack([conv(x, edge_index), conv(2 * x, edge_index)])
+    np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
 # -- gpytorch: eval-mode predictions cache the training solve ------------------------------
 def _gp_model():
     import gpytorch

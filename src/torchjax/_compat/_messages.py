@@ -31,6 +31,18 @@ FAKE_LIMIT_ERRORS: tuple[type, ...] = tuple(
     for t in (resolve("torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode"),)
     if t is not ABSENT
 )
+# A fake run that stopped where the function read a value (`.item()`, argument validation
+# such as torch.distributions'): its output types need not depend on the values, so a real
+# run's may serve other calls of the same signature (UserFunction.real_types). Not a
+# data-dependent output shape (nonzero, boolean masks): those differ from call to call.
+_VALUE_READ = resolve("torch._subclasses.fake_tensor.DataDependentOutputException")
+
+
+def read_a_value(error: BaseException | None) -> bool:
+    """Whether a fake run's failure is the function reading a value (see above)."""
+    return _VALUE_READ is not ABSENT and isinstance(error, _VALUE_READ)
+
+
 # And the phrases of the plain RuntimeErrors it raises (lower case).
 FAKE_LIMIT_PHRASES = (
     "data is not allocated",  # a real tensor's data read in a fake run (tensor_split's index)

@@ -62,6 +62,7 @@ from torchjax._compat._messages import (
     lacks_forward_derivative,
     needs_setup_context,
     not_differentiable_input,
+    read_a_value,
     refuses_randomness,
     refuses_saved_tensor_hooks,
     runs_autograd_itself,
@@ -238,8 +239,8 @@ class UserFunction:
         if one was made (real_types)."""
         try:
             return self._fake_types(args)
-        except ShapeInferenceError:
-            found = self.real_types.get(types_key(args))
+        except ShapeInferenceError as e:
+            found = self.real_types.get(types_key(args)) if read_a_value(e.__cause__) else None
             if found is None:
                 raise
             return found

@@ -460,6 +460,10 @@ def _run_untyped(plan, typed, tensors, device, memo, in_tree, statics) -> Any:
                 return outs[0]
             return _tree.tree_unflatten(typed.out_tree, outs)
         box = results[1]
+        # Its outputs' types depend on the values: no real run speaks for a trace.
+        memo["types_vary"] = True
+        if type(plan.fn) is UserFunction:
+            plan.fn.real_types.pop(memo.get("types_key"), None)
     else:
         box = [plan.invoke(tensors)]
     return _untyped_outputs(plan, box, device, memo, in_tree, statics)
@@ -474,7 +478,7 @@ def _untyped_outputs(plan, box, device, memo, in_tree, statics) -> Any:
         memo["typed"] = plan_for(
             plan.fn, in_tree, statics, tuple(structs), out_tree, memo["dtypes"]
         )
-        if type(plan.fn) is UserFunction and "types_key" in memo:
+        if type(plan.fn) is UserFunction and "types_key" in memo and "types_vary" not in memo:
             store(plan.fn.real_types, memo["types_key"], _tree.tree_unflatten(out_tree, structs))
     return _tree.tree_unflatten(out_tree, outs)
 

@@ -33,6 +33,7 @@ from torchjax._compat._jax import (
     register_linearization,
 )
 from torchjax._compat._jax import partial_eval as pe
+from torchjax._compat._messages import read_a_value
 from torchjax._errors import ShapeInferenceError
 from torchjax._primitive._core import PytreePrimitive
 
@@ -54,11 +55,13 @@ class TorchCallPrimitive(PytreePrimitive):
     def _traced_bind_signature(self, bound, in_tree, statics, avals, operands) -> Any:
         try:
             return self._signature(bound, in_tree, statics, avals).traced
-        except ShapeInferenceError:
-            # An eager transform (jax.grad, jax.jvp) of the user's function: the trace
-            # knows the values, so a real run gives the types, as an eager call's do.
+        except ShapeInferenceError as e:
+            # An eager transform (jax.grad, jax.jvp) of the user's function that reads a
+            # value: the trace knows the values, so a real run gives the types, as an eager
+            # call's do (where the output shapes depend on the values, the error stands:
+            # the types are kept for the signature).
             values = [concrete_value(x) for x in operands]
-            if any(v is None for v in values):
+            if not read_a_value(e.__cause__) or any(v is None for v in values):
                 raise
             if not _rule_impl.types_from_a_real_run(values, in_tree, statics, bound):
                 raise
