@@ -7,6 +7,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 
@@ -365,3 +366,26 @@ def test_apply_call_structures_match_module(mode, call):
         np.testing.assert_array_equal(new_buffers["count"], 1.0)
         jax.tree.map(np.testing.assert_array_equal, variables, before)  # caller's arrays
     assert float(net.count) == 0.0  # the module is untouched
+
+
+def test_a_jitted_optax_loop_over_the_variables_compiles_once():
+    # The variables behave like arrays jnp.asarray makes (uncommitted): step 2, called with
+    # step 1's outputs, is the same signature, not a second compile (issue 46).
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    apply, variables = torchjax.module_to_jax(net)
+    assert not any(a.committed for a in jax.tree.leaves(variables))
+    opt = optax.adam(1e-2)
+    x = jnp.linspace(-1.0, 1.0, 20).reshape(5, 4)
+
+    @jax.jit
+    def step(params, state):
+        loss = lambda p: (apply({"params": p, "buffers": variables["buffers"]}, x) ** 2).mean()
+        grads = jax.grad(loss)(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params, state = variables["params"], opt.init(variables["params"])
+    for _ in range(3):
+        params, state = step(params, state)
+    assert step._cache_size() == 1

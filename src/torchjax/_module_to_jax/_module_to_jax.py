@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import torch
 
-from torchjax._compat._jax import traceback_boundary
+from torchjax._compat._jax import traceback_boundary, uncommitted
 from torchjax._compat._messages import is_write_refusal
 from torchjax._compat._torch import (
     compiled_original,
@@ -424,7 +424,17 @@ def module_to_jax(
         }
 
     apply = ModuleFunction(impl)
-    return apply, variables
+    return apply, jax.tree.map(_as_made_by_jax, variables)
+
+
+def _as_made_by_jax(a: jax.Array) -> jax.Array:
+    """`a` uncommitted where it is on JAX's default device, as an array `jnp.asarray` makes
+    is: DLPack commits what it imports, and a jitted step called with the committed
+    variables and then with its own uncommitted outputs (optax's state is uncommitted)
+    would compile twice. A module on another device keeps its variables committed there."""
+    if a.committed and a.sharding.device_set == {jax.devices()[0]}:
+        return uncommitted(a)
+    return a
 
 
 class ModuleFunction:
