@@ -277,6 +277,19 @@ def test_int32_indices_with_x64_off_reach_torch_as_int64(op, jit, x64_off):
 
 
 @pytest.mark.parametrize("jit", [False, True])
+def test_int32_pivots_stay_int32_for_the_ops_that_want_them(jit, x64_off):
+    # lu_solve refuses the int64 copy: the call runs again on the int32 pivots themselves.
+    a = np.array([[4.0, 1.0], [2.0, 3.0]], np.float32)
+    lu, pivots = torch.linalg.lu_factor(torch.tensor(a))
+    f = torchjax.to_jax(lambda lu, p, b: torch.linalg.lu_solve(lu, p, b))
+    b = jnp.array([[1.0], [2.0]])
+    p = jnp.asarray(pivots.numpy())
+    assert p.dtype == jnp.int32
+    got = (jax.jit(f) if jit else f)(jnp.asarray(lu.numpy()), p, b)
+    tree_close(got, np.linalg.solve(a, np.asarray(b)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("op", sorted(INT64_OPS))
 def test_int32_indices_without_widening_get_the_x64_note(op, jit, x64_off, monkeypatch):
     monkeypatch.setattr(torchjax._convert, "WIDEN_INT32", False)  # TORCHJAX_WIDEN_INT32=0

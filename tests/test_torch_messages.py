@@ -219,6 +219,31 @@ def test_wants_int64_phrase(phrase):
     WANTS_INT64[phrase](torch.tensor([0, 1]))  # int64 indices are accepted
 
 
+def _lu(pivots):
+    lu, _ = torch.linalg.lu_factor(torch.eye(2) + 1)
+    return lu, pivots
+
+
+WANTS_INT32 = {
+    "should be a tensor of scalar type torch.int32": lambda p: torch.linalg.lu_solve(
+        *_lu(p), torch.ones(2, 1)
+    ),
+    "tensor of torch.int32 dtype": lambda p: torch.lu_unpack(*_lu(p)),
+}
+
+
+def test_every_int32_phrase_has_its_case_here():
+    assert set(WANTS_INT32) == set(_messages.WANTS_INT32_PHRASES)
+
+
+@pytest.mark.parametrize("phrase", sorted(WANTS_INT32))
+def test_wants_int32_phrase(phrase):
+    error = _raised(lambda: WANTS_INT32[phrase](torch.tensor([1, 2])))  # int64 pivots
+    assert phrase in str(error).lower(), error
+    assert _messages.wants_int32(error)
+    WANTS_INT32[phrase](torch.tensor([1, 2], dtype=torch.int32))  # int32 is accepted
+
+
 def test_expects_tensor_and_not_differentiable_input():
     error = _raised(lambda: torch.sin(2.0))
     assert _messages.EXPECTS_TENSOR in str(error) and _messages.expects_tensor(error)

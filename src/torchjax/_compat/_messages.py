@@ -183,6 +183,12 @@ WANTS_INT64_PHRASES = (
     "should be type int64",  # max_unpool's indices
     "only applicable to index tensor of type longtensor",  # one_hot
 )
+# And the few that want int32 (LU pivots): a call handed int64 copies of int32 inputs
+# (x64 off, _convert.widen_int32) that fails so runs again on the int32 tensors themselves.
+WANTS_INT32_PHRASES = (
+    "should be a tensor of scalar type torch.int32",  # lu_solve's pivots
+    "tensor of torch.int32 dtype",  # lu_unpack's pivots
+)
 # A torch op given a Python value where it takes a tensor.
 EXPECTS_TENSOR = "must be Tensor, not"
 
@@ -190,6 +196,11 @@ EXPECTS_TENSOR = "must be Tensor, not"
 def wants_int64(error: BaseException) -> bool:
     text = str(error).lower()
     return any(p in text for p in WANTS_INT64_PHRASES)
+
+
+def wants_int32(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(p in text for p in WANTS_INT32_PHRASES)
 
 
 def expects_tensor(error: BaseException) -> bool:

@@ -29,6 +29,7 @@ from torchjax._compat._messages import (
 )
 from torchjax._compat._torch import is_fake, is_zerotensor, set_grad_enabled, tensor_version
 from torchjax._convert import (
+    call_widening,
     canonical_torch_dtype,
     check_has_data,
     several_devices,
@@ -127,7 +128,7 @@ class CallPlan:
         if self.direct is None and flat_fn is not None and not self.has_statics:
             self.direct = _unflattening(flat_fn, in_tree)  # nested arrays: a dict of params
         if widen and self.direct is not None:
-            self.direct = _widening(self.direct)  # (other calls widen in UserFunction)
+            self.direct = _widening(self.direct, fn.facts)  # (others widen in UserFunction)
         self.one_tensor_out = (
             out_tree is not None and out_tree.num_nodes == 1 and out_tree.num_leaves == 1
         )
@@ -596,9 +597,9 @@ def plan_for(
     return CallPlan(fn, in_tree, template, structs, out_tree, flat_fn, widen)
 
 
-def _widening(fn: Callable) -> Callable:
+def _widening(fn: Callable, facts: dict) -> Callable:
     def call(*tensors: torch.Tensor) -> Any:
-        return fn(*[t.long() if t.dtype is torch.int32 else t for t in tensors])
+        return call_widening(fn, facts, *tensors)
 
     return call
 

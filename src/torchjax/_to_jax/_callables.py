@@ -69,7 +69,7 @@ from torchjax._compat._messages import (
     wants_int64,
 )
 from torchjax._compat._torch import FINDS_UNBATCHED, batched_here, is_functorch_wrapped
-from torchjax._convert import torch_dtype, widen_int32
+from torchjax._convert import call_widening, torch_dtype
 from torchjax._errors import (
     AutodiffError,
     OutputMismatchError,
@@ -193,8 +193,8 @@ class UserFunction:
         return self
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
-        args, kwargs = widen_int32((args, kwargs))  # (x64 off: torch's indices are int64)
-        return as_jax_tree(self.fn(*args, **kwargs))
+        # (x64 off: int32 inputs reach torch as int64, its indices' dtype; see _convert.)
+        return as_jax_tree(call_widening(self.fn, self.facts, *args, **kwargs))
 
     def arg_path(self, path: tuple) -> str:
         # bind's args are (args, kwargs): report paths as the user wrote the call, or as the
@@ -248,8 +248,7 @@ class UserFunction:
     def _fake_types(self, args: tuple) -> Any:
         target = fake_target(self.fn)
         try:
-            call = lambda a, k: as_jax_tree(target(*a, **k))
-            call = lambda a, k, run=call: run(*widen_int32((a, k)))
+            call = lambda a, k: as_jax_tree(call_widening(target, self.facts, *a, **k))
             facts = {} if getattr(self.fn, "seeded", False) else self.facts
             return fake_eval(call, args, self.name, self.arg_path, state_of=self.fn, facts=facts)
         except TorchJaxError:
