@@ -488,7 +488,9 @@ def _run_pair(case: _Case, transform: str, wrap: Callable) -> tuple[Callable, Ca
         # cannot differentiate them all, the first alone.
         floating = [k for k, t in enumerate(T) if t.is_floating_point()]
         batched = {k: case.batched(k, gen) for k in floating}
-        chosen = [floating]
+        # Kept on the case: a second pair (made to declare the output types) must use the
+        # inputs the oracle used.
+        chosen = case.__dict__.setdefault("vmap_grad_inputs", [floating])
 
         def s_all_t(*xs):
             new = list(T)
