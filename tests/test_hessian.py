@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 from helpers import tree_close
@@ -84,3 +85,28 @@ def test_hessian_vector_product_of_a_small_nn():
     hvp = lambda f: jax.jvp(jax.grad(f), (x,), (v,))[1]
     tree_close(hvp(f), hvp(fj))
     tree_close(jax.jit(jax.hessian(f))(x), jax.jit(jax.hessian(fj))(x))
+
+
+@pytest.mark.parametrize("transform", ["hessian", "jacrev_jacrev"])
+def test_eval_mode_batch_norm_with_running_statistics_as_inputs(transform, x64):
+    # Eval mode writes nothing: its schema marks the running statistics mutable, and the
+    # fake run's guard reads the training flag (issue 45 reported a refusal here).
+    rng = np.random.default_rng(0)
+    x, w, b = rng.normal(size=(3, 2, 4)), rng.normal(size=2), rng.normal(size=2)
+    mean, var = rng.normal(size=2), rng.uniform(0.5, 1.5, size=2)
+    saved_mean = mean.copy()
+
+    def bn(x, w, b, mean, var):
+        return torch.ops.aten._native_batch_norm_legit(x, w, b, mean, var, False, 0.5, 1e-5)[0]
+
+    f = torchjax.to_jax(bn)
+    s_j = lambda x: (f(x, w, b, mean, var) ** 2).sum()
+    rest = [torch.tensor(a) for a in (w, b, mean, var)]
+    s_t = lambda x: (bn(x, *rest) ** 2).sum()
+    if transform == "hessian":
+        got, want = jax.hessian(s_j)(x), torch.func.hessian(s_t)(torch.tensor(x))
+    else:
+        got = jax.jacrev(jax.jacrev(s_j))(x)
+        want = torch.func.jacrev(torch.func.jacrev(s_t))(torch.tensor(x))
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-7, atol=1e-9)
+    np.testing.assert_array_equal(mean, saved_mean)  # the caller's statistics unchanged
