@@ -50,13 +50,14 @@ def fastest_callback(op, n):
     return hand_callback(op, n, wrap=lambda buf: _from_capsule(buf.__dlpack__()))
 
 
-def checked_callback(op, n):
+def checked_callback(op, n, grad_off=False):
     """The jit floor with torchjax's invariants: fastest_callback plus, inlined, the checks
     to_jax makes on every call (neither inference mode nor torch.autocast on, the input's
-    storage refuses writes, grad mode off, no version counter moved, the output's type,
-    dtype and shape, and no reference to the input kept past the call). What those checks
-    cost is this row's ratio to the floor. Like the floor, it wraps XLA's output buffer
-    before the input (measured 0.3 µs faster than after f)."""
+    storage refuses writes, no version counter moved, the output's type, dtype and shape,
+    and no reference to the input kept past the call). What those checks cost is this row's
+    ratio to the floor. Like the floor, it wraps XLA's output buffer before the input
+    (measured 0.3 µs faster than after f). With `grad_off`, grad mode is switched off around
+    op, as torchjax did before it left the caller's grad mode to the function (issue 46)."""
     refuse, grad_on, set_grad = (
         torch._C._set_throw_on_mutable_data_ptr,
         torch.is_grad_enabled,
@@ -79,7 +80,7 @@ def checked_callback(op, n):
         dst = _from_capsule(outs[0].__dlpack__())
         t = _from_capsule(x.__dlpack__())
         refuse(t)
-        was_on = grad_on()
+        was_on = grad_off and grad_on()
         if was_on:
             set_grad(False)
         try:
@@ -146,6 +147,10 @@ def measure() -> list[Table]:
     hand = hand_callback(add_one, n)
     fastest = fastest_callback(add_one, n)
     checked = checked_callback(add_one, n)
+    checked_grad_off = checked_callback(add_one, n, grad_off=True)
+    weight = torch.nn.Parameter(torch.tensor(2.0))  # closed over; requires grad
+    scale = lambda x: x * weight
+    f_scale = torchjax.to_jax(scale)
     eager_floor = fastest_eager(add_one, x)
     mode = CountingMode()
     assert bool((eager_floor(x) == x + 1).all()) and bool((fastest(x) == x + 1).all())
@@ -179,6 +184,24 @@ def measure() -> list[Table]:
                 lambda: f_jit(x).block_until_ready(),
                 "hand-written buffer_callback with to_jax's checks",
                 lambda: checked(x).block_until_ready(),
+            ),
+            paired_row(
+                "hand-written buffer_callback with to_jax's checks",
+                lambda: checked(x).block_until_ready(),
+                "the same, grad mode switched off around f (torchjax before issue 46)",
+                lambda: checked_grad_off(x).block_until_ready(),
+            ),
+            paired_row(
+                "to_jax eager, called in torch.enable_grad()",
+                lambda: _in(torch.enable_grad, f, x).block_until_ready(),
+                "to_jax eager, called in torch.no_grad()",
+                lambda: _in(torch.no_grad, f, x).block_until_ready(),
+            ),
+            paired_row(
+                "to_jax eager, f closing over a parameter that requires grad, in enable_grad()",
+                lambda: _in(torch.enable_grad, f_scale, x).block_until_ready(),
+                "the same, called in torch.no_grad()",
+                lambda: _in(torch.no_grad, f_scale, x).block_until_ready(),
             ),
             paired_row(
                 "buffer_callback through torch.utils.dlpack",
@@ -251,6 +274,12 @@ def measure() -> list[Table]:
         ],
     )
     return [small, large]
+
+
+def _in(grad_mode, fn, x):
+    """fn(x) in a grad mode's context manager (both sides of a row pay for one)."""
+    with grad_mode():
+        return fn(x)
 
 
 def _under(mode, op, t):

@@ -185,8 +185,9 @@ class CallPlan:
             return self.invoke_on_copies(tensors, compare=False)
         for t in tensors:
             refuse_writes(t)
-        grad_was_enabled = torch.is_grad_enabled()
-        set_grad_enabled(self.grad_mode)
+        grad_was_enabled = _is_grad_enabled()
+        if self.grad_mode:
+            set_grad_enabled(True)
         refused = False
         try:
             if self.direct is not None:
@@ -196,7 +197,8 @@ class CallPlan:
         except Exception as e:
             refused = self.refused(e, tensors)
         finally:
-            set_grad_enabled(grad_was_enabled)
+            if self.grad_mode:
+                set_grad_enabled(grad_was_enabled)
         if refused:
             return self.invoke_on_copies(tensors, compare=True)
         if any(map(_version, tensors)):
@@ -217,14 +219,16 @@ class CallPlan:
         return True
 
     def _run(self, tensors: list[torch.Tensor]) -> Any:
-        grad_was_enabled = torch.is_grad_enabled()
-        set_grad_enabled(self.grad_mode)
+        grad_was_enabled = _is_grad_enabled()
+        if self.grad_mode:
+            set_grad_enabled(True)
         try:
             if self.direct is not None:
                 return as_jax_tree(self.direct(*tensors))
             return self.fn(*_tree.tree_unflatten(self.in_tree, self._fill(tensors)))
         finally:
-            set_grad_enabled(grad_was_enabled)
+            if self.grad_mode:
+                set_grad_enabled(grad_was_enabled)
 
     def _raise_failure(self, error: Exception, tensors: list | None = None) -> None:
         if not autograd_inside() and self._autograd_inside(error):
@@ -307,22 +311,16 @@ class CallPlan:
         return self.check_outputs(out, strict)
 
     def call_plain(self, tensors: list[torch.Tensor]) -> Any:
-        """invoke() for a plain plan (`plain`: the user's function called directly, grad
-        mode off), its steps inlined: this runs on every call. Grad mode is switched only
-        where it is on. Returns fn's output unchecked."""
+        """invoke() for a plain plan (`plain`: the user's function called directly, in the
+        caller's grad mode), its steps inlined: this runs on every call. Returns fn's output
+        unchecked."""
         for t in tensors:
             refuse_writes(t)
-        grad_was_enabled = _is_grad_enabled()
-        if grad_was_enabled:
-            set_grad_enabled(False)
         refused = False
         try:
             out = self.direct(*tensors)
         except Exception as e:
             refused = self.refused(e, tensors)
-        finally:
-            if grad_was_enabled:
-                set_grad_enabled(True)
         if refused:
             return self.invoke_on_copies(tensors, compare=True)
         for t in tensors:
@@ -336,17 +334,11 @@ class CallPlan:
         call_plain's written out again rather than shared: a list, loops or a star-call
         cost 2-3% of a call on 16 floats (measured, both ways)."""
         refuse_writes(t)
-        grad_was_enabled = _is_grad_enabled()
-        if grad_was_enabled:
-            set_grad_enabled(False)
         refused = False
         try:
             out = self.direct(t)
         except Exception as e:
             refused = self.refused(e, [t])
-        finally:
-            if grad_was_enabled:
-                set_grad_enabled(True)
         if refused:
             return self.invoke_on_copies([t], compare=True)
         if _version(t):
@@ -358,7 +350,9 @@ class CallPlan:
         owns_memory_alone)."""
         if self.one_tensor_out and type(out) is torch.Tensor and not self.grad_mode:
             if out.dtype is self.out_dtypes[0] and out.shape == self.out_shapes[0]:
-                return [out]  # the common case, checked
+                # the common case, checked; an output on a graph (closed-over parameters
+                # that require grad) leaves it, as DLPack takes no such tensor
+                return [out.detach() if out.requires_grad else out]
             results = [out]
         else:
             results, got_tree = _tree.tree_flatten(out)
@@ -379,6 +373,8 @@ class CallPlan:
                 if not strict:
                     return None, [_tree.tree_unflatten(self.out_tree, results)]
                 self._raise_mismatch(k, value)
+            elif value.requires_grad:  # (see the common case above)
+                results[k] = value.detach()
         return results
 
     def _coerces(self, k: int, value: Any) -> bool:
@@ -416,7 +412,7 @@ class CallPlan:
             )
         if value.shape != self.out_shapes[k] or canonical_torch_dtype(value.dtype) != want:
             self._raise_mismatch(k, value)
-        return value
+        return value.detach() if value.requires_grad else value
 
     def _raise_structure(self, got: Any) -> None:
         text = (

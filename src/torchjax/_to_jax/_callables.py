@@ -166,8 +166,10 @@ class UserFunction:
     # is still checked against them.
     real_types: dict = dataclasses.field(default_factory=dict, repr=False)
 
-    # Torch runs it with grad mode off: JAX does the differentiating, and a graph recorded
-    # for closed-over parameters that require grad would only cost time and memory.
+    # Whether a call must switch torch's grad mode on (derived functions: see CallPlan).
+    # The user's own function runs in the caller's mode, as plain torch would run it: on,
+    # unless the caller turned it off (then torch.autograd.grad inside works without an
+    # enable_grad of its own); its outputs leave any graph they are on (CallPlan).
     grad_mode = False
 
     def __reduce__(self) -> Any:

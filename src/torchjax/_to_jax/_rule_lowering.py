@@ -24,7 +24,6 @@ from jax.experimental import io_callback
 from torchjax._compat._torch import (
     any_autocast,
     autocast_as,
-    set_grad_enabled,
     tensor_from_capsule,
     tensor_use_count,
     tensor_version,
@@ -61,7 +60,6 @@ Run = Callable[[list[torch.Tensor]], Sequence[Any]]
 
 _DL_CPU = 1  # DLPack's kDLCPU
 _inference_mode = torch.is_inference_mode_enabled
-_is_grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _refs = sys.getrefcount  # references: `tensors`, the loop variable, getrefcount's argument
 
@@ -263,17 +261,11 @@ def _plain_host_one(plan: CallPlan, host: Callable) -> Callable:
             dst = tensor_from_capsule(outs[0].__dlpack__())  # first: see _plain_host
             t = tensor_from_capsule(ins[0].__dlpack__())
             refuse_writes(t)  # as call_plain_one: fn cannot write into XLA's buffer
-            grad_was_enabled = _is_grad_enabled()
-            if grad_was_enabled:
-                set_grad_enabled(False)
             refused = False
             try:
                 out = fn(t)
             except Exception as e:
                 refused = plan.refused(e, [t])
-            finally:
-                if grad_was_enabled:
-                    set_grad_enabled(True)
             if refused:
                 out = plan.invoke_on_copies([t], compare=True)
             elif tensor_version(t):
