@@ -339,3 +339,77 @@ def test_e3nn_modules_through_module_to_jax_equal_e3nn(transform):
     # The module itself is untouched: its parameters are still the reference's.
     for k, v in model.named_parameters():
         np.testing.assert_array_equal(v.detach().numpy(), params_t[k].numpy())
+
+
+# -- pyro and torchquad: library code that validates its inputs by reading values --------
+def _pyro_log_prob(loc, scale, x):
+    import pyro.distributions as dist
+
+    return dist.Normal(loc, scale).log_prob(x).sum()
+
+
+def _pyro_reference(loc, scale, x):
+    """The log-density and its gradient in (loc, scale), by pyro and torch autograd."""
+    loc, scale = (torch.tensor(float(v), requires_grad=True) for v in (loc, scale))
+    value = _pyro_log_prob(loc, scale, torch.from_numpy(np.asarray(x)))
+    grads = torch.autograd.grad(value, (loc, scale))
+    return value.item(), [g.item() for g in grads]
+
+
+def test_pyro_log_prob_with_validation_under_eager_grad_then_jit(x64_off):
+    pyro = pytest.importorskip("pyro")
+    loc, scale, x = jnp.float32(0.3), jnp.float32(1.5), jnp.linspace(-1.0, 1.0, 5)
+    value, grads = _pyro_reference(loc, scale, x)
+    with pyro.validation_enabled(True):
+        f = torchjax.to_jax(_pyro_log_prob)
+        with pytest.raises(torchjax.errors.ShapeInferenceError) as info:
+            jax.jit(f)(loc, scale, x)  # no real run yet: both routes, and where it read
+        text = str(info.value)
+        assert (
+            "torch/distributions/distribution.py" in text
+            and "call the function once eagerly" in text
+        )
+        assert "result_shape_dtypes" in text
+        got = jax.grad(f, argnums=(0, 1))(loc, scale, x)  # eager: a real run gives the types
+        np.testing.assert_allclose(got, grads, rtol=1e-5)
+        np.testing.assert_allclose(jax.jit(f)(loc, scale, x), value, rtol=1e-6)
+        np.testing.assert_allclose(
+            jax.jit(jax.grad(f, argnums=(0, 1)))(loc, scale, x), grads, rtol=1e-5
+        )
+        # A value the validation refuses is the library's own error, eagerly and under jit.
+        with pytest.raises(ValueError, match="scale"):
+            f(loc, jnp.float32(-1.0), x)
+
+
+@pytest.mark.parametrize("method", ["torch.func", "sequential"])
+def test_pyro_log_prob_with_validation_under_eager_vmap(x64_off, method):
+    pyro = pytest.importorskip("pyro")
+    loc, x = jnp.float32(0.3), jnp.linspace(-1.0, 1.0, 5)
+    scales = jnp.array([1.5, 2.0, 0.5], dtype=jnp.float32)
+    with pyro.validation_enabled(True):
+        f = torchjax.to_jax(_pyro_log_prob, vmap_method=method)
+        got = jax.vmap(f, in_axes=(None, 0, None))(loc, scales, x)
+        want = [_pyro_reference(loc, s, x)[0] for s in scales]
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        per_example = jax.vmap(jax.grad(f, argnums=1), in_axes=(None, 0, None))(loc, scales, x)
+        np.testing.assert_allclose(
+            per_example, [_pyro_reference(loc, s, x)[1][1] for s in scales], rtol=1e-5
+        )
+
+
+def _simpson(a):
+    from torchquad import Simpson
+
+    integrand = lambda t: torch.exp(a * t[:, 0])
+    domain = [[0.0, 1.0]]  # torchquad checks it by reading its values
+    return Simpson().integrate(integrand, dim=1, N=101, integration_domain=domain, backend="torch")
+
+
+@pytest.mark.parametrize("transform", ["eager", "grad", "hessian"])
+def test_torchquad_simpson_under_eager_grad_and_hessian(x64_off, transform):
+    pytest.importorskip("torchquad")
+    f = torchjax.to_jax(_simpson)
+    exact = lambda a: (jnp.exp(a) - 1.0) / a  # the integral of exp(a t) over [0, 1]
+    wrap = {"eager": lambda g: g, "grad": jax.grad, "hessian": jax.hessian}[transform]
+    a = jnp.float32(0.7)
+    np.testing.assert_allclose(wrap(f)(a), wrap(exact)(a), rtol=2e-5)

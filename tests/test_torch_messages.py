@@ -244,6 +244,49 @@ def test_wants_int32_phrase(phrase):
     WANTS_INT32[phrase](torch.tensor([1, 2], dtype=torch.int32))  # int32 is accepted
 
 
+_F = torch.nn.functional
+_LONG = torch.ones(2, 3, dtype=torch.long)
+# Each phrase provoked, with the dtypes the message must be read to name, in its order.
+DTYPE_MISMATCH = {
+    "have the same dtype": (lambda: _F.linear(_LONG, torch.ones(2, 3)), ["int64", "float32"]),
+    "expected scalar type": (
+        lambda: torch.bmm(torch.ones(1, 2, 2), torch.ones(1, 2, 2, dtype=torch.double)),
+        ["float32", "float64"],
+    ),
+    "should be the same": (
+        lambda: torch.nn.Conv1d(1, 1, 2)(torch.ones(1, 1, 3, dtype=torch.double)),
+        ["float64", "float32"],
+    ),
+    "expected both vectors to have same dtype": (
+        lambda: torch.dot(torch.ones(2), torch.ones(2, dtype=torch.double)),
+        ["float32", "float64"],
+    ),
+    "not implemented for": (lambda: _F.softmax(_LONG, 0), ["int64"]),
+    "can't be cast to the desired output type": (lambda: _LONG.add_(0.5), ["float32", "int64"]),
+    "to have one of the following scalar types": (
+        lambda: _F.embedding(torch.ones(2), torch.ones(3, 2)),
+        ["int64", "int32", "float32"],
+    ),
+    "does not match weight dtype": (
+        lambda: torch.nn.LSTM(2, 2)(torch.ones(1, 1, 2, dtype=torch.double)),
+        ["float64", "float32"],
+    ),
+}
+
+
+def test_every_dtype_mismatch_phrase_has_its_case_here():
+    assert set(DTYPE_MISMATCH) == set(_messages.DTYPE_MISMATCH_PHRASES)
+
+
+@pytest.mark.parametrize("phrase", sorted(DTYPE_MISMATCH))
+def test_dtype_mismatch_phrase_and_its_dtypes(phrase):
+    provoke, dtypes = DTYPE_MISMATCH[phrase]
+    error = _raised(provoke)
+    assert phrase in str(error).lower(), error
+    assert _messages.mismatched_dtypes(error) == dtypes, error
+    assert _messages.mismatched_dtypes(ValueError("the function's own: Long and Float")) == []
+
+
 def test_expects_tensor_and_not_differentiable_input():
     error = _raised(lambda: torch.sin(2.0))
     assert _messages.EXPECTS_TENSOR in str(error) and _messages.expects_tensor(error)

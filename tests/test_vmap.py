@@ -358,10 +358,23 @@ def test_torch_method_vmap_cannot_batch_names_sequential():
     tree_close(jax.vmap(g)(x), x)
 
 
-def test_item_without_declared_shapes_asks_for_result_shape_dtypes():
+def test_item_without_declared_shapes_asks_for_result_shape_dtypes_under_jit():
     f = torchjax.to_jax(lambda x: x * x.sum().item())
     with pytest.raises(ShapeInferenceError, match="result_shape_dtypes"):
-        jax.vmap(f)(_arange(4, 3))
+        jax.jit(jax.vmap(f))(_arange(4, 3))
+
+
+def test_item_under_eager_vmap_gives_torch_funcs_error_or_works_sequentially():
+    # Eagerly the values are at hand: one example's real run gives the types, so what
+    # remains is torch.func.vmap's own refusal, with the advice; sequentially it works.
+    fn = lambda x: x * x.sum().item()
+    x = _arange(4, 3)
+    with pytest.raises(VmapError, match=SEQUENTIAL) as info:
+        jax.vmap(torchjax.to_jax(fn))(x)
+    assert ".item()" in str(info.value)
+    got = jax.vmap(torchjax.to_jax(fn, vmap_method="sequential"))(x)
+    want = torch.stack([fn(row) for row in torch.from_numpy(np.asarray(x))])
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
 
 
 def test_item_with_declared_shapes_fails_at_run_time_and_names_sequential():

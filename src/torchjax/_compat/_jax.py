@@ -256,6 +256,41 @@ def concrete_value(x: Any) -> Any:
         return None
 
 
+# An eager jax.vmap's tracer: its batch of concrete values and the axis it maps over.
+_BatchTracer = private(
+    "jax._src.interpreters.batching.BatchTracer",
+    fallback="eager jax.vmap of value-reading code needs result_shape_dtypes",
+)
+
+
+def example_value(x: Any) -> Any:
+    """One example of x's value, where the traces around x know it: x's concrete value
+    (an eager jax.grad's or jax.jvp's tracer), or through an eager jax.vmap's tracer, the
+    first example of its batch (a numpy array); else None. Nested transforms are followed
+    inwards (jax.vmap(jax.grad(f)) eagerly)."""
+    value = concrete_value(x)
+    if value is not None:
+        return value
+    if not isinstance(x, jax.core.Tracer):
+        return None
+    primal = getattr(x, "primal", None)  # a JVP's or a linearization's tracer
+    if primal is not None:
+        return example_value(primal)
+    if _BatchTracer is ABSENT or not isinstance(x, _BatchTracer):
+        return None
+    batch = example_value(x.val)
+    axis = x.batch_dim
+    if batch is None or not (axis is None or type(axis) is int or _not_mapped(axis)):
+        return None  # a ragged axis
+    if type(axis) is not int:
+        return batch  # not mapped: every example's
+    return np.asarray(np.take(np.asarray(batch), 0, axis=axis))
+
+
+def _not_mapped(axis: Any) -> bool:
+    return type(axis).__name__ == "NotMapped"
+
+
 # Whether a lowering is partitioned across devices: jit with sharded inputs (XLA's SPMD
 # partitioner, automatic axes) or shard_map (manual axes). A side-effecting custom call
 # there needs a sharding of its own, which jax's callbacks give and buffer_callback does

@@ -8,6 +8,10 @@
 # version the matrix runs: a release that rewords a message fails there, by phrase.
 from __future__ import annotations
 
+import re
+
+import torch
+
 from torchjax._compat._registry import ABSENT, resolve
 
 # -- fake runs: the fake machinery's limits (a real run may succeed) ------------------------
@@ -191,6 +195,53 @@ WANTS_INT32_PHRASES = (
 )
 # A torch op given a Python value where it takes a tensor.
 EXPECTS_TENSOR = "must be Tensor, not"
+# A torch op given tensors of dtypes it does not combine (an integer array where a float
+# weight waits: JAX's int32 data into nn.Linear). The message names the dtypes, in one of
+# three spellings (below).
+DTYPE_MISMATCH_PHRASES = (
+    "have the same dtype",  # addmm: "mat1 and mat2 must ...", mm: "expected m1 and m2 to ..."
+    "expected scalar type",  # "expected scalar type Float but found Double" (bmm, lstm)
+    "should be the same",  # conv: "Input type (torch.LongTensor) and weight type ..."
+    "expected both vectors to have same dtype",  # dot
+    "not implemented for",  # an op with no kernel for the dtype: "... for 'Long'"
+    "can't be cast to the desired output type",  # an in-place op: int tensor += float
+    "to have one of the following scalar types",  # embedding given float ids
+    "does not match weight dtype",  # RNN: "RNN input dtype (torch.float64) does not ..."
+)
+# torch's four spellings of a dtype in messages: a scalar type name ('Long'), a dtype
+# (torch.int64), a legacy tensor type (torch.LongTensor) and, after "but got:", C++'s
+# ("long int != float").
+_SCALAR_TYPE_NAMES = {
+    "Bool": "bool",
+    "Byte": "uint8",
+    "Char": "int8",
+    "Short": "int16",
+    "Int": "int32",
+    "Long": "int64",
+    "Half": "float16",
+    "BFloat16": "bfloat16",
+    "Float": "float32",
+    "Double": "float64",
+    "ComplexFloat": "complex64",
+    "ComplexDouble": "complex128",
+}
+_CPP_TYPE_NAMES = {
+    "bool": "bool",
+    "unsigned char": "uint8",
+    "signed char": "int8",
+    "short int": "int16",
+    "int": "int32",
+    "long int": "int64",
+    "c10::Half": "float16",
+    "c10::BFloat16": "bfloat16",
+    "float": "float32",
+    "double": "float64",
+}
+_CPP_PAIR = re.compile(r"but got: ([\w: ]+?) != ([\w: ]+?)(?:$|[.,;\n])")
+_CPP_IN_PARENS = re.compile(r"type \(([\w: ]+)\)")  # conv: "Input type (double) and ..."
+_DTYPE_WORD = re.compile(
+    r"\btorch\.([a-z]+[0-9]*)\b|\b(?:torch\.(?:cuda\.)?)?([A-Z][A-Za-z0-9]*?)(?:Tensor)?\b"
+)
 
 
 def wants_int64(error: BaseException) -> bool:
@@ -201,6 +252,27 @@ def wants_int64(error: BaseException) -> bool:
 def wants_int32(error: BaseException) -> bool:
     text = str(error).lower()
     return any(p in text for p in WANTS_INT32_PHRASES)
+
+
+def mismatched_dtypes(error: BaseException) -> list[str]:
+    """The dtypes (torch's names: 'int64', 'float32') that a dtype-mismatch message of
+    torch's names, in order; empty for any other message."""
+    text = str(error)
+    if not any(p in text.lower() for p in DTYPE_MISMATCH_PHRASES):
+        return []
+    found: list[str] = []
+    for pair in _CPP_PAIR.findall(text):
+        found += [_CPP_TYPE_NAMES[t] for t in pair if t in _CPP_TYPE_NAMES]
+    found += [_CPP_TYPE_NAMES[t] for t in _CPP_IN_PARENS.findall(text) if t in _CPP_TYPE_NAMES]
+    for dtype_name, type_name in _DTYPE_WORD.findall(text):
+        name = dtype_name if dtype_name else _SCALAR_TYPE_NAMES.get(type_name, "")
+        if name and name not in found and _is_dtype_name(name):
+            found.append(name)
+    return found
+
+
+def _is_dtype_name(name: str) -> bool:
+    return isinstance(getattr(torch, name, None), torch.dtype)
 
 
 def expects_tensor(error: BaseException) -> bool:

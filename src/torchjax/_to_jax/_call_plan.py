@@ -24,6 +24,7 @@ from torchjax._compat._jax import uncommitted
 from torchjax._compat._messages import (
     expects_tensor,
     is_write_refusal,
+    mismatched_dtypes,
     runs_autograd_itself,
     wants_int64,
 )
@@ -248,6 +249,10 @@ class CallPlan:
         if wants_int64(error) and not jax.config.jax_enable_x64 and not _convert.WIDEN_INT32:
             if any(t.dtype == torch.int32 for t in tensors):
                 error.add_note(INT32_NOTE)
+        if self.fn is self.fn.root and tensors:
+            note = self._dtype_note(error, tensors)
+            if note is not None:
+                error.add_note(note)
         if expects_tensor(error) and self.fn is self.fn.root and self.has_statics:
             paths = leaf_paths(self.in_tree)
             numbers = [
@@ -257,6 +262,34 @@ class CallPlan:
             ]
             if numbers:
                 error.add_note(NUMBER_NOTE.format(paths=", ".join(numbers[:6])))
+
+    def _dtype_note(self, error: Exception, tensors: list) -> str | None:
+        """DTYPE_NOTE where torch's message names a dtype an argument reached torch with
+        and another that no argument had (what the torch code wanted), else None."""
+        named = mismatched_dtypes(error)
+        if len(tensors) != len(self.positions) or not named:
+            return None
+        widened = (
+            _convert.WIDEN_INT32
+            and not jax.config.jax_enable_x64
+            and not self.fn.facts.get("keeps_int32")
+        )
+        reached = []
+        for t in tensors:
+            widen = widened and t.dtype is torch.int32
+            reached.append(("int64" if widen else str(t.dtype).removeprefix("torch."), widen))
+        wanted = [d for d in named if d not in {r for r, _ in reached}]
+        got = [(k, r, w) for k, (r, w) in enumerate(reached) if r in named]
+        if not wanted or not got:
+            return None
+        parts = []
+        for k, dtype, widen in got[:4]:
+            how = " (from JAX's int32: with x64 off, integer inputs reach torch as int64)"
+            parts.append(f"{self.input_path(k)} as {dtype}{how if widen else ''}")
+        first = self.input_path(got[0][0])
+        return DTYPE_NOTE.format(
+            got="; ".join(parts), wanted=" or ".join(wanted), first=first, dtype=wanted[0]
+        )
 
     def _autograd_inside(self, error: Exception) -> bool:
         """Whether a derived call failed because fn runs torch.autograd itself."""
@@ -472,6 +505,10 @@ INT32_NOTE = (
     "arrays as they are: unset it (int32 inputs then reach torch as int64), cast them "
     "inside the function, `index.long()`, or turn x64 on: "
     "jax.config.update('jax_enable_x64', True).)"
+)
+DTYPE_NOTE = (
+    "(torchjax: torch got {got}, where the torch code wanted {wanted}. Pass arrays of the "
+    "dtype it wants: convert before the call, e.g. `{first}.astype(jnp.{dtype})`.)"
 )
 NUMBER_NOTE = (
     "(torchjax: {paths} reached the function as Python numbers, as they were passed: to_jax "

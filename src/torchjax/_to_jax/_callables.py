@@ -42,6 +42,7 @@
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -113,6 +114,7 @@ from torchjax._to_jax._residual import (
 )
 from torchjax._to_jax._torch_call import torch_call_p
 from torchjax._to_jax._vmap import (
+    MODULE_RANDOMNESS_HINT,
     RANDOMNESS_HINT,
     VMAP_HINT,
     as_tensor,
@@ -295,6 +297,10 @@ class UserFunction:
             text += NESTED_HINT
         module = getattr(self.fn, "describe_path", None) is not None  # module_to_jax's
         declare = "module_to_jax(module, " if module else "to_jax(fn, "
+        if read_a_value(error):
+            reader = _reading_frame(error)
+            text += f"It read a value at {reader}\n" if reader else ""
+            return text + VALUE_READ_HINT.replace("to_jax(fn, ", declare)
         return text + FAKE_LIMIT_HINT.replace("to_jax(fn, ", declare)
 
     def call_failure(self, error: Exception, in_tree: Any = None) -> Exception:
@@ -319,6 +325,17 @@ was traced) left unbatched, so JAX was told it is unbatched. Which outputs depen
 batched inputs changes with the values (control flow on values, or random draws with
 vmap_randomness='different'). Batch this function one example at a time instead:
 to_jax(fn, vmap_method='sequential')."""
+
+VALUE_READ_HINT = """\
+Fake tensors have no values, so code that reads one (argument validation such as
+torch.distributions' validate_args, .item(), Python control flow on tensor values) cannot
+run on them. Two ways out:
+  * call the function once eagerly, outside jax.jit, with arrays of these shapes and
+    dtypes: that real run finds the output types, and a jax.jit of the same signature uses
+    them (each later call is still checked against them);
+  * or declare its outputs, so that no fake run happens:
+    to_jax(fn, result_shape_dtypes=jax.ShapeDtypeStruct(shape, dtype))
+    or a callable mapping the input ShapeDtypeStructs to the outputs."""
 
 FAKE_LIMIT_HINT = """\
 Fake tensors have no values, so a function whose output shapes depend on its input values,
@@ -345,6 +362,29 @@ def _module_frame(error: BaseException) -> str:
             file = frame.f_code.co_filename.rsplit("/", 1)[-1]
             name = f"{type(owner).__name__}.{frame.f_code.co_name}"
             found = f"{name} ({file}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    return found
+
+
+# Where a fake run's value read comes from: the innermost frame outside torch's dispatch
+# machinery (fake tensors, ops, dynamo's wrappers) and torchjax's own.
+_DISPATCH_FILES = ("/torch/_", "/torch/utils/_", "/torch/fx/", "/torchjax/")
+
+
+def _reading_frame(error: BaseException) -> str:
+    """The line that read a value in a fake run, as "torch/distributions/distribution.py:76,
+    in Normal.__init__: if not valid.all():" (or ""): the innermost frame of `error`'s
+    traceback that is not torch's dispatch machinery or torchjax's."""
+    found, tb = "", error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        path = code.co_filename.replace("\\", "/")
+        if not any(part in path for part in _DISPATCH_FILES):
+            owner = tb.tb_frame.f_locals.get("self")
+            name = code.co_name if owner is None else f"{type(owner).__name__}.{code.co_name}"
+            where = path.rsplit("site-packages/", 1)[-1]
+            source = linecache.getline(code.co_filename, tb.tb_lineno).strip()
+            found = f"{where}:{tb.tb_lineno}, in {name}" + (f": {source}" if source else "")
         tb = tb.tb_next
     return found
 
@@ -765,9 +805,10 @@ class BatchedFunction(DerivedFunction):
         return VmapError(self._hint(error))
 
     def _hint(self, error: Exception) -> str:
-        hint = VMAP_HINT
+        module = getattr(self.root.fn, "describe_path", None) is not None  # module_to_jax's
+        hint = VMAP_HINT.replace("to_jax(fn, ", "module_to_jax(module, ") if module else VMAP_HINT
         if self.randomness == "error" and refuses_randomness(error):
-            hint = RANDOMNESS_HINT
+            hint = MODULE_RANDOMNESS_HINT if module else RANDOMNESS_HINT
         return hint.format(name=self.root.name, error=f"{type(error).__name__}: {error}")
 
 

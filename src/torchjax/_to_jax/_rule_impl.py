@@ -109,14 +109,21 @@ def bind_eager(
     return out
 
 
-def types_from_a_real_run(values: list, in_tree: Any, statics: tuple, bound: Any) -> bool:
+def types_from_a_real_run(
+    values: list, in_tree: Any, statics: tuple, bound: Any, avals: tuple
+) -> bool:
     """Run the user's function (without declared types) on the concrete `values` of a
-    traced bind, so that its output types are kept (UserFunction.real_types) for the
-    trace's abstract eval; False for any other function (its fake run's error stands)."""
+    traced bind of operands of types `avals`, so that its output types are kept
+    (UserFunction.real_types) for the trace's abstract eval; False for any other function
+    (its fake run's error stands)."""
     fn = dict(bound.items)["fn"]
     if type(fn) is not UserFunction or fn.result_shape_dtypes is not None:
         return False
-    real_run(values, in_tree, statics, bound.items, {})
+    memo: dict = {}
+    real_run(values, in_tree, statics, bound.items, memo)
+    found = fn.real_types.get(memo.get("types_key"))
+    if found is not None:  # under the trace's types too (weak types, an example's slice)
+        store(fn.real_types, types_key(_tree.tree_unflatten(in_tree, _fill(statics, avals))), found)
     return True
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from torchjax._compat._jax import (
-    concrete_value,
+    example_value,
     hide_frames_under,
     jax_config,
     register_dce,
@@ -60,10 +60,10 @@ class TorchCallPrimitive(PytreePrimitive):
             # value: the trace knows the values, so a real run gives the types, as an eager
             # call's do (where the output shapes depend on the values, the error stands:
             # the types are kept for the signature).
-            values = [concrete_value(x) for x in operands]
+            values = [example_value(x) for x in operands]
             if not read_a_value(e.__cause__) or any(v is None for v in values):
                 raise
-            if not _rule_impl.types_from_a_real_run(values, in_tree, statics, bound):
+            if not _rule_impl.types_from_a_real_run(values, in_tree, statics, bound, avals):
                 raise
             return self._signature(bound, in_tree, statics, avals).traced
 

@@ -42,6 +42,18 @@ RANDOMNESS_HINT = (
 )
 
 
+# The same for module_to_jax's apply, whose options and call take other spellings.
+MODULE_RANDOMNESS_HINT = (
+    "torch.func.vmap could not batch {name}: {error}\n"
+    "The module draws random numbers (dropout in train mode), and vmap_randomness='error' "
+    "(the default) forbids that under jax.vmap. Choose one: pass a JAX key, "
+    "apply(variables, ..., rng=key) (vmap over jax.random.split(key, n) for independent "
+    "masks); or module_to_jax(module, vmap_randomness='different') (independent per "
+    "example) or 'same' (one draw shared by all examples); or, where no draw is wanted "
+    "(inference), module.eval() before calling apply."
+)
+
+
 LEADING_AXIS_MESSAGE = (
     "{name} was batched with vmap_method={method!r}, so it must return every output with "
     "a leading batch axis of size {size}, but it returned {got} at {where}. With {method!r} "
