@@ -218,7 +218,10 @@ def test_namedtuple_class_made_per_call_is_explained():
 
     f = torchjax.to_jax(fresh_class)
     # Under jit the real call's class differs from the fake run's: the error says why.
-    with pytest.raises(jax.errors.JaxRuntimeError, match=r"(?s)print alike.*Define it once"):
+    with pytest.raises(
+        jax.errors.JaxRuntimeError,
+        match=r"(?s)print alike.*\(Pair, two class objects of one name\).*Define it once",
+    ):
         jax.jit(f)(jnp.ones(2)).a.block_until_ready()
     defined_once = torchjax.to_jax(lambda x: _Pair(x, x * 2))  # the fix
     tree_close(jax.jit(defined_once)(jnp.ones(2)), _Pair(jnp.ones(2), 2 * jnp.ones(2)))

@@ -162,7 +162,7 @@ def test_attributes_a_call_sets_are_not_seen_by_later_calls(mode):
     apply, variables = torchjax.module_to_jax(net)
     f = jax.jit(apply) if mode == "jit" else apply
     x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
-    with pytest.warns(StateWarning, match="(?s)reassigned it: buffer 'total'.*mutable=True"):
+    with pytest.warns(StateWarning, match="(?s)reassigned a buffer: 'total'.*mutable=True"):
         first = f(variables, x)
     for _ in range(3):  # each call is the first call of a fresh module
         out = f(variables, x)
@@ -275,12 +275,33 @@ def test_mutable_returns_the_reassigned_buffer():
     np.testing.assert_allclose(buffers["total"], 3 * np.asarray(x).sum(0))
 
 
+def test_ten_batch_norm_layers_in_train_mode_give_one_warning_naming_every_buffer():
+    layers = []
+    for _ in range(10):
+        layers += [torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)]
+    model = torch.nn.Sequential(*layers).train()
+    apply, variables = torchjax.module_to_jax(model)
+    x = jnp.linspace(-1.0, 2.0, 12).reshape(3, 4)
+    for call in (apply, jax.jit(apply)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call(variables, x)
+        if call is apply:
+            (warning,) = [w for w in caught if w.category is StateWarning]
+            text = str(warning.message)
+            names = [name for name, _ in model.named_buffers()]
+            assert len(names) == 30 and all(repr(name) in text for name in names)
+            assert "mutable=True" in text and "module.eval()" in text
+        else:  # each buffer is said once per apply
+            assert not [w for w in caught if w.category is StateWarning]
+
+
 def test_in_place_buffer_write_without_mutable_warns_once():
     torch.manual_seed(0)
     bn = torch.nn.BatchNorm1d(4).train()
     apply, variables = torchjax.module_to_jax(bn)
     x = jnp.linspace(-1.0, 2.0, 12).reshape(3, 4)
-    with pytest.warns(StateWarning, match="(?s)wrote into it in place: buffer 'running_mean'"):
+    with pytest.warns(StateWarning, match="(?s)wrote in place into 3 buffers: 'running_mean'"):
         apply(variables, x)
     with warnings.catch_warnings():
         warnings.simplefilter("error", StateWarning)

@@ -231,7 +231,7 @@ def test_hf_dynamic_rope_over_calls_of_12_8_12_tokens():
     # Without mutable=True each call is a fresh module's (the dropped buffer is said once):
     # the 8-token call after a 12-token one differs from torch's stateful one, which keeps
     # the grown frequencies.
-    with pytest.warns(torchjax.errors.StateWarning, match="reassigned it: buffer 'model"):
+    with pytest.warns(torchjax.errors.StateWarning, match="reassigned a buffer: 'model"):
         apply(variables, jnp.asarray(seqs[0]), use_cache=False)
     for ids in seqs:
         fresh = copy.deepcopy(model)(torch.tensor(ids), use_cache=False).logits.detach().numpy()

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import inspect
 import operator
+import os
 import types
 from typing import Any
 
@@ -254,6 +255,11 @@ def concrete_value(x: Any) -> Any:
         return _to_concrete_value(x)
     except Exception:  # a trace that cannot say
         return None
+
+
+# The folder of jax's own frames, which its traceback filter hides (and so does the text of
+# a torch error under jit: _callback_errors.py).
+JAX_SOURCE_DIR = os.path.join(os.path.dirname(jax.__file__), "_src") + os.sep
 
 
 # An eager jax.vmap's tracer: its batch of concrete values and the axis it maps over.

@@ -67,6 +67,12 @@ def _slot_names(module: torch.nn.Module, named: Any) -> list[tuple[str, str, str
     return names
 
 
+def _buffers(names: list, lacking: bool = False) -> str:
+    """ "a buffer" or "3 buffers" (that variables lacks)."""
+    counted = "a buffer" if len(names) == 1 else f"{len(names)} buffers"
+    return counted + (" that variables lacks" if lacking else "")
+
+
 class ModuleCopy(HeldState):
     """One private copy of the module: what a call runs in.
 
@@ -322,31 +328,41 @@ class ModuleState:
             cache.update(theirs)
 
     def _check_reassigned(self, c: ModuleCopy, values: list) -> None:
-        for name, j in self.buffer_reads:
-            d, key = c.slots[j]
-            if d[key] is not values[j]:
-                self.warn_dropped(name, "reassigned it")
+        reassigned = [
+            name for name, j in self.buffer_reads if c.slots[j][0][c.slots[j][1]] is not values[j]
+        ]
+        if reassigned:
+            self.warn_dropped(reassigned, "reassigned")
 
-    def warn_dropped(self, name: str, how: str, new: bool = False) -> None:
-        if name in self.warned:
+    def warn_dropped(self, names: list[str], how: str, new: bool = False) -> None:
+        """One StateWarning for the buffers `names` a call dropped (each named once per
+        apply): a model with ten BatchNorm layers in train mode gets one warning, not 30."""
+        names = [n for n in names if n not in self.warned]
+        if not names:
             return
-        self.warned.add(name)
+        self.warned.update(names)
+        listed = ", ".join(repr(n) for n in names)
+        module = type(self.module).__name__
         if new:
             warn(
-                f"{type(self.module).__name__}'s forward {how}: {name!r}. mutable=True "
-                f"returns the buffers the module had when module_to_jax was called, so "
-                f"{name!r} is dropped and the next call starts without it. To carry it from "
-                f"call to call, register it in __init__ (before module_to_jax), with its "
-                f"initial value.",
+                f"{module}'s forward {how} {_buffers(names, lacking=True)}: {listed}. "
+                f"mutable=True returns the buffers the module had when module_to_jax was "
+                f"called, so these are "
+                f"dropped and the next call starts without them. To carry one from call to "
+                f"call, register it in __init__ (before module_to_jax), with its initial "
+                f"value.",
                 StateWarning,
             )
             return
+        first = names[0]
         warn(
-            f"{type(self.module).__name__}'s forward {how}: buffer {name!r}. With "
-            f"mutable=False apply is a pure function of its variables, so the new value is "
-            f"dropped and the next call sees variables['buffers'][{name!r}] again. To keep "
-            f"it, call apply(variables, ..., mutable=True), which returns (output, "
-            f"new_buffers), and pass the new buffers to the next call.",
+            f"{module}'s forward {how} {_buffers(names)}: {listed}. With mutable=False "
+            f"apply is a pure function of its variables, so the new values are dropped and "
+            f"the next call sees variables['buffers'][{first!r}] and the others again. To "
+            f"keep them, call apply(variables, ..., mutable=True), which returns (output, "
+            f"new_buffers), and pass the new buffers to the next call; for inference, where "
+            f"they should not change (BatchNorm's running statistics), call module.eval() "
+            f"before apply.",
             StateWarning,
         )
 
@@ -368,9 +384,9 @@ class ModuleState:
         registered again with another shape (a mask or rotary cache grown on demand) is
         accepted at that shape in the calls that are given it back (`check`)."""
         buffers = {name: c.slots[j][0][c.slots[j][1]] for name, j in self.buffer_reads}
-        for name, _ in c.module.named_buffers():
-            if name not in self.buffers:  # registered by forward: variables has no place
-                self.warn_dropped(name, "registered a buffer that variables lacks", new=True)
+        new = [name for name, _ in c.module.named_buffers() if name not in self.buffers]
+        if new:  # registered by forward: variables has no place for them
+            self.warn_dropped(new, "registered", new=True)
         for name, t in buffers.items():
             shape = tuple(t.shape)
             if shape != self.shapes["buffers"][name]:

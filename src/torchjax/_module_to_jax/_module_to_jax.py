@@ -119,9 +119,9 @@ class _Apply:
         """Record what a run wrote; without mutable=True the writes are dropped: say so."""
         self.writes[training] = self.writes.get(training, False) or any(written)
         if not mutable:
-            for name, w in zip(names, written, strict=True):
-                if w:
-                    self.state.warn_dropped(name, "wrote into it in place")
+            dropped = [name for name, w in zip(names, written, strict=True) if w]
+            if dropped:
+                self.state.warn_dropped(dropped, "wrote in place into")
 
     def variant(self, mutable: bool, training: tuple, seeded: bool) -> Callable:
         key = (mutable, training, seeded)

@@ -453,10 +453,12 @@ class CallPlan:
             f"declared (result_shape_dtypes) or inferred (fake-tensor run)."
         )
         if str(got) == str(self.out_tree):
+            twin = _twin_class(got, self.out_tree)
+            named = f" ({twin.__qualname__}, two class objects of one name)" if twin else ""
             text += (
-                " The two print alike, so a node's class differs between calls: a namedtuple "
-                "or other class created inside the function on every call is a new class "
-                "each time. Define it once, at module level."
+                f" The two print alike, so a node's class differs between calls{named}: a "
+                f"namedtuple or other class created inside the function on every call is a "
+                f"new class each time. Define it once, at module level."
             )
         raise OutputMismatchError(text)
 
@@ -567,6 +569,24 @@ def number_tensor(value: bool | int | float | complex, dtype: torch.dtype, where
             f"tensor of a wider dtype"
             f"{'' if jax.config.jax_enable_x64 else ', and enable x64'}, or a smaller number."
         ) from None
+
+
+def _twin_class(a: Any, b: Any) -> type | None:
+    """The first node class of treedef `a` that has the name of `b`'s class at the same
+    place but is another class object, or None."""
+    try:
+        kind_a, kind_b = (a.node_data() or (None,))[0], (b.node_data() or (None,))[0]
+        children = zip(a.children(), b.children(), strict=True)
+    except Exception:  # a JAX without node_data, or structures that differ in shape
+        return None
+    if kind_a is not kind_b and isinstance(kind_a, type) and isinstance(kind_b, type):
+        if kind_a.__qualname__ == kind_b.__qualname__:
+            return kind_a
+    for child_a, child_b in children:
+        found = _twin_class(child_a, child_b)
+        if found is not None:
+            return found
+    return None
 
 
 def plain(value: Any) -> Any:

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import os
 
-import jax
-
 import torchjax
+from torchjax._compat._jax import JAX_SOURCE_DIR
 
 _HIDDEN = (
     os.path.dirname(torchjax.__file__) + os.sep,  # the call machinery
-    os.path.join(os.path.dirname(jax.__file__), "_src") + os.sep,  # jax's own, as eagerly
+    JAX_SOURCE_DIR,  # jax's own, hidden eagerly too
 )
 
 
