@@ -409,3 +409,43 @@ def test_bert_with_int32_labels_trains_like_torch_with_x64_off():
         tree_close(value, want.detach(), rtol=1e-5, atol=1e-6)
     for name, p in reference.named_parameters():
         tree_close(params[name], p.detach(), rtol=1e-4, atol=1e-5)
+
+
+_CACHED = {"basis": torch.linspace(0.0, 1.0, 4)}
+
+
+def _copies_a_cached_tensor(x):
+    # As torch-harmonics does with its cached quadrature weights.
+    basis = copy.deepcopy(_CACHED["basis"])
+    return x * basis
+
+
+def test_a_deep_copy_of_a_real_tensor_in_a_fake_run_asks_for_declared_types():
+    f = torchjax.to_jax(_copies_a_cached_tensor)
+    x = jnp.arange(4.0)
+    with pytest.raises(ShapeInferenceError, match="result_shape_dtypes") as info:
+        jax.jit(f)(x)
+    assert 'device "meta"' in str(info.value)  # torch's refusal, quoted
+    declared = torchjax.to_jax(_copies_a_cached_tensor, result_shape_dtypes=lambda x: x)
+    want = _copies_a_cached_tensor(torch.arange(4.0)).numpy()
+    np.testing.assert_allclose(jax.jit(declared)(x), want)
+    np.testing.assert_allclose(f(x), want)  # eagerly: a real run
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["inferred", "declared"])
+def test_symbolic_dimensions_get_torchjaxs_own_error_naming_the_fix(declared):
+    from jax import export
+
+    fn = lambda x: torch.tanh(x) * 2
+    f = torchjax.to_jax(fn, result_shape_dtypes=(lambda x: x) if declared else None)
+    (b,) = export.symbolic_shape("b")
+    spec = jax.ShapeDtypeStruct((b, 3), jnp.float32)
+    for attempt in (lambda: jax.eval_shape(f, spec), lambda: export.export(jax.jit(f))(spec)):
+        with pytest.raises(ShapeInferenceError) as info:
+            attempt()
+        text = str(info.value)
+        assert "args[0] of shape (b, 3): a symbolic dimension" in text
+        assert "Use concrete shapes" in text
+    # What it advises: a concrete shape.
+    got = jax.eval_shape(f, jax.ShapeDtypeStruct((8, 3), jnp.float32))
+    assert (got.shape, got.dtype) == ((8, 3), jnp.float32)

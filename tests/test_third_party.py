@@ -413,3 +413,34 @@ def test_torchquad_simpson_under_eager_grad_and_hessian(x64_off, transform):
     wrap = {"eager": lambda g: g, "grad": jax.grad, "hessian": jax.hessian}[transform]
     a = jnp.float32(0.7)
     np.testing.assert_allclose(wrap(f)(a), wrap(exact)(a), rtol=2e-5)
+
+
+def _pyro_scaled(x):
+    import pyro
+
+    w = pyro.param("w", lambda: torch.full((3,), 2.0))
+    if bool(x.sum() > 0):  # a value read: a fake run stops here, after pyro.param
+        return x * w
+    return x
+
+
+@pytest.mark.parametrize("reads_a_value", [False, True], ids=["run succeeds", "run fails"])
+def test_pyro_param_store_keeps_no_fake_tensor_after_a_fake_run(reads_a_value):
+    pyro = pytest.importorskip("pyro")
+    fn = _pyro_scaled if reads_a_value else (lambda x: x * pyro.param("w", lambda: torch.ones(3)))
+    pyro.clear_param_store()
+    try:
+        with pytest.raises(torchjax.errors.ShapeInferenceError) as info:
+            jax.jit(torchjax.to_jax(fn))(jnp.ones(3))
+        text = str(info.value)
+        # The holder and the key, and for a failed run what it failed with.
+        assert "'_param_to_name' of a ParamStoreDict object, as the key of 'w'" in text
+        assert ("DataDependentOutputException" in text) is reads_a_value
+        # Plain pyro afterwards computes with real tensors: the run's parameter is gone
+        # from the store (the run made it), and pyro makes it anew.
+        out = fn(torch.ones(3))
+        assert not isinstance(out, torch._subclasses.fake_tensor.FakeTensor)
+        want = 2.0 if reads_a_value else 1.0
+        torch.testing.assert_close(out.detach(), torch.full((3,), want))
+    finally:
+        pyro.clear_param_store()

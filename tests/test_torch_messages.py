@@ -5,6 +5,8 @@ oldest and newest versions). The phrases live in src/torchjax/_compat/_messages.
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import pytest
 import torch
@@ -52,12 +54,17 @@ def _nested_fast_path(x):
         encoder(x.reshape(1, 1, 4).expand(1, 4, 4), src_key_padding_mask=mask)
 
 
+_REAL = torch.ones(3)  # a real tensor a fake run deep-copies
+
 FAKE_LIMITS = {
     "data is not allocated": _fake(lambda x: torch.tensor_split(x, torch.tensor([1, 2]))),
     "not supported for tensor subclasses": _fake(lambda x: x.numpy()),
     "not available for 'meta' device type": _fake(lambda x: x.untyped_storage().tolist()),
     "no fake impl registered": _fake(lambda x: _no_fake_kernel(x)),
     "nestedtensorimpl doesn't support sizes": _fake(lambda x: _nested_fast_path(x)),
+    'attempted to set the storage of a tensor on device "meta"': _fake(
+        lambda x: copy.deepcopy(_REAL)
+    ),
 }
 
 AUTODIFF = {

@@ -54,6 +54,9 @@ FAKE_LIMIT_PHRASES = (
     "not available for 'meta' device type",  # a fake tensor's storage read
     "no fake impl registered",  # a torch.library.custom_op without register_fake
     NESTED_SIZES := "nestedtensorimpl doesn't support sizes",  # the nested fast path, faked
+    # copy.deepcopy of a real tensor in a fake run (torch-harmonics copies cached tensors):
+    # the fake copy refuses the real storage.
+    'attempted to set the storage of a tensor on device "meta"',
 )
 
 

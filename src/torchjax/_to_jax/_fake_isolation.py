@@ -222,9 +222,10 @@ class FakeRunState:
             if s.changed():
                 s.restore()
 
-    def check_left_behind(self) -> None:
+    def check_left_behind(self, after: BaseException | None = None) -> None:
         """Take back fake tensors that outlive the run where that is safe; raise for any
-        other. Call after the run's own references to its tensors are gone."""
+        other. Call after the run's own references to its tensors are gone; `after`: the
+        exception a failed run raised (the error then names it, and is raised from it)."""
         if self._first_alive() is None:
             return
         gc.collect()  # what only a reference cycle kept goes now
@@ -239,7 +240,11 @@ class FakeRunState:
         if t is not None:
             holder = _describe(t)
             del t
-            raise ShapeInferenceError(LEFT_BEHIND.format(name=self.name, holder=holder))
+            text = LEFT_BEHIND.format(name=self.name, holder=holder)
+            if after is None:
+                raise ShapeInferenceError(text)
+            failed = f"{type(after).__name__}: {after}".split("\n")[0]
+            raise ShapeInferenceError(f"{text}\n(The fake run had failed: {failed})") from after
 
     def _first_alive(self) -> torch.Tensor | None:
         for r in self.made:
@@ -301,19 +306,47 @@ def _holders(t: Any, depth: int = 3) -> list:
     return found
 
 
+def _as_key(d: dict, t: Any) -> str:
+    """Words for fake tensor `t` held as a key of `d`, with the value it maps to where that
+    is short to say (pyro's param store maps each parameter to its name)."""
+    value = next((v for k, v in d.items() if k is t), None)
+    if isinstance(value, str | int):
+        return f"as the key of {value!r}"
+    return "as a key"
+
+
+def _dict_named(d: dict) -> str:
+    """A dict, named by the object or module attribute it is, where one is found."""
+    for namespace in gc.get_referrers(d):
+        if not isinstance(namespace, dict):
+            continue
+        name = next((k for k, v in namespace.items() if v is d), None)
+        if name is None:
+            continue
+        for owner in gc.get_referrers(namespace):
+            if isinstance(owner, types.ModuleType) and owner.__dict__ is namespace:
+                return f"the dict {owner.__name__}.{name}"
+            if instance_dict(owner) is namespace:
+                return f"the dict {name!r} of a {type(owner).__qualname__} object"
+    return "a dict"
+
+
 def _describe(t: Any) -> str:
     """Words for what holds `t`: an object's attribute, a global, a container, an object."""
     for r in gc.get_referrers(t):
         if isinstance(r, types.FrameType):
             continue
         if isinstance(r, dict):
-            key = (_keys_of(r, t) or ["?"])[0]
+            keys = _keys_of(r, t)
+            where = f"under the key {keys[0]!r}" if keys else _as_key(r, t)
             for owner in gc.get_referrers(r):
                 if isinstance(owner, types.ModuleType) and owner.__dict__ is r:
-                    return f"the global {key!r} of module {owner.__name__}"
+                    return f"the global {keys[0] if keys else '?'!r} of module {owner.__name__}"
                 if instance_dict(owner) is r:
-                    return f"the attribute {key!r} of a {type(owner).__qualname__} object"
-            return f"a dict, under the key {key!r}"
+                    if keys:
+                        return f"the attribute {keys[0]!r} of a {type(owner).__qualname__} object"
+                    return f"a {type(owner).__qualname__} object's attributes, as a key"
+            return f"{_dict_named(r)}, {where}"
         if isinstance(r, list | tuple | set):
             return f"a {type(r).__name__}"
         return f"a {type(r).__qualname__} object"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import traceback
 from typing import Any
 
 import jax
@@ -178,8 +179,16 @@ def fake_eval(
             types, draws = _fake_run(fn, args, name, describe or _path_of, touched)
             if facts is not None:
                 facts["draws"] = facts.get("draws", False) or draws
-        finally:
+        except BaseException as failure:
             touched.restore()
+            # A failed run is cleaned up as a finished one: what it left in state torchjax
+            # cannot reach (pyro's global param store) is refused. The failure's frames
+            # hold the run's fake tensors too; their locals go (their lines stay, for the
+            # traceback), or every such tensor would look left behind.
+            traceback.clear_frames(failure.__traceback__)
+            touched.check_left_behind(after=failure)
+            raise
+        touched.restore()
         touched.check_left_behind()
     return types
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
 import torch
 
 from torchjax._compat._jax import (
@@ -36,6 +37,28 @@ from torchjax._compat._jax import partial_eval as pe
 from torchjax._compat._messages import read_a_value
 from torchjax._errors import ShapeInferenceError
 from torchjax._primitive._core import PytreePrimitive
+from torchjax._primitive._params import ARRAY
+
+SYMBOLIC_DIMENSIONS = """\
+{name} was called with {where}: a symbolic dimension (jax.export.symbolic_shape), as
+jax.export and jax.eval_shape take them. torch runs on tensors of known sizes, and the
+host callback that runs it needs them too, so torchjax cannot stage a torch call whose
+shapes are symbolic, with or without result_shape_dtypes. Use concrete shapes:
+jax.eval_shape(f, jax.ShapeDtypeStruct((8, 3), jnp.float32)). (jax.export cannot
+serialize a torch call at any shape: it runs as a host callback, in this process.)"""
+
+
+def _refuse_symbolic_dimensions(fn: Any, in_tree: Any, statics: tuple, avals: tuple) -> None:
+    """Raise ShapeInferenceError naming the arguments whose shapes hold a symbolic size."""
+    it = iter(avals)
+    leaves = [next(it) if s is ARRAY else s for s in statics]
+    args = jax.tree_util.tree_unflatten(in_tree, leaves)
+    where = [
+        f"{fn.root.arg_path(path)} of shape ({', '.join(map(str, leaf.shape))})"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]
+        if any(type(d) is not int for d in getattr(leaf, "shape", ()))
+    ]
+    raise ShapeInferenceError(SYMBOLIC_DIMENSIONS.format(name=fn.root.name, where=", ".join(where)))
 
 
 class TorchCallPrimitive(PytreePrimitive):
@@ -53,6 +76,8 @@ class TorchCallPrimitive(PytreePrimitive):
         return _rule_impl.bind_eager(self, operands, in_tree, statics, bound, jax_config.enable_x64)
 
     def _traced_bind_signature(self, bound, in_tree, statics, avals, operands) -> Any:
+        if any(type(d) is not int for a in avals for d in getattr(a, "shape", ())):
+            _refuse_symbolic_dimensions(dict(bound.items)["fn"], in_tree, statics, avals)
         try:
             return self._signature(bound, in_tree, statics, avals).traced
         except ShapeInferenceError as e:
