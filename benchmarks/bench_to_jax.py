@@ -13,6 +13,12 @@
 # XLA's output buffer against a hand-written callback whose op writes there itself (out=),
 # and what asking the kernel for huge pages on that buffer saves (_huge_pages.py; off where
 # the kernel does not give them on request): the hand-written callbacks do not ask.
+# Grad mode and int32 inputs: the checks against the same with grad mode switched off
+# around f (as torchjax did before issue 46); to_jax eager called in torch.enable_grad()
+# against torch.no_grad() (nothing requires grad: torch records nothing), and with f
+# closing over a parameter that requires grad (torch records the graph plain torch
+# would); an int32 index array widened to an int64 copy with x64 off, against
+# TORCHJAX_WIDEN_INT32=0.
 from __future__ import annotations
 
 import sys
@@ -25,6 +31,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchjax
+from torchjax import _convert
 from torchjax._compat._jax import dlpack_export, dlpack_import
 from torchjax._compat._torch import cpu_array_from_tensor
 from torchjax._to_jax import _huge_pages
@@ -148,6 +155,10 @@ def measure() -> list[Table]:
     fastest = fastest_callback(add_one, n)
     checked = checked_callback(add_one, n)
     checked_grad_off = checked_callback(add_one, n, grad_off=True)
+    table = jnp.linspace(0.0, 1.0, 64, dtype=jnp.float32)
+    ids = jnp.arange(n, dtype=jnp.int32) * 3  # JAX's integers with x64 off
+    lookup = torchjax.to_jax(lambda w, i: w[i])  # indexing takes int32 and int64 alike
+    lookup_jit = jax.jit(lookup)
     weight = torch.nn.Parameter(torch.tensor(2.0))  # closed over; requires grad
     scale = lambda x: x * weight
     f_scale = torchjax.to_jax(scale)
@@ -190,6 +201,18 @@ def measure() -> list[Table]:
                 lambda: checked(x).block_until_ready(),
                 "the same, grad mode switched off around f (torchjax before issue 46)",
                 lambda: checked_grad_off(x).block_until_ready(),
+            ),
+            paired_row(
+                "to_jax under jit, w[i] with int32 i widened to int64 (x64 off)",
+                lambda: lookup_jit(table, ids).block_until_ready(),
+                "the same, TORCHJAX_WIDEN_INT32=0 (int32 to torch)",
+                lambda: _unwidened(lookup_jit, table, ids).block_until_ready(),
+            ),
+            paired_row(
+                "to_jax eager, w[i] with int32 i widened to int64 (x64 off)",
+                lambda: lookup(table, ids).block_until_ready(),
+                "the same, TORCHJAX_WIDEN_INT32=0 (int32 to torch)",
+                lambda: _unwidened(lookup, table, ids).block_until_ready(),
             ),
             paired_row(
                 "to_jax eager, called in torch.enable_grad()",
@@ -274,6 +297,15 @@ def measure() -> list[Table]:
         ],
     )
     return [small, large]
+
+
+def _unwidened(fn, *args):
+    """fn(*args) as with TORCHJAX_WIDEN_INT32=0 (read at each call; set at import)."""
+    _convert.WIDEN_INT32 = False
+    try:
+        return fn(*args)
+    finally:
+        _convert.WIDEN_INT32 = True
 
 
 def _in(grad_mode, fn, x):
