@@ -422,3 +422,24 @@ def test_reentrant_checkpoint_of_inputs_that_need_no_grad_keeps_torchs_warning()
 
     with pytest.warns(UserWarning, match="None of the inputs have requires_grad"):
         jax.grad(torchjax.to_jax(f))(jnp.eye(2), jnp.ones((1, 2)))
+
+
+def test_vmap_of_a_module_with_dropout_names_module_to_jaxs_own_options():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.5)).train()
+    apply, variables = torchjax.module_to_jax(model)
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    with pytest.raises(torchjax.errors.VmapError) as info:
+        jax.vmap(lambda row: apply(variables, row))(x)
+    text = str(info.value)
+    for advice in ("rng=key", "module_to_jax(module, vmap_randomness='different')", "module.eval()"):
+        assert advice in text
+    assert "to_jax(fn, " not in text  # not the other entry point's spelling
+    # Each advice works: a key per example, and eval mode (then equal to torch's own).
+    keys = jax.random.split(jax.random.key(0), 4)
+    masked = jax.vmap(lambda row, k: apply(variables, row, rng=k))(x, keys)
+    assert masked.shape == (4, 3)
+    model.eval()
+    got = jax.vmap(lambda row: apply(variables, row))(x)
+    with torch.no_grad():
+        tree_close(got, model(torch.tensor(np.asarray(x))), rtol=1e-6)
