@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import os
 
-import torchjax
 from torchjax._compat._jax import JAX_SOURCE_DIR
 
 _HIDDEN = (
-    os.path.dirname(torchjax.__file__) + os.sep,  # the call machinery
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # torchjax's own
     JAX_SOURCE_DIR,  # jax's own, hidden eagerly too
 )
 
