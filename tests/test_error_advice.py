@@ -432,7 +432,11 @@ def test_vmap_of_a_module_with_dropout_names_module_to_jaxs_own_options():
     with pytest.raises(torchjax.errors.VmapError) as info:
         jax.vmap(lambda row: apply(variables, row))(x)
     text = str(info.value)
-    for advice in ("rng=key", "module_to_jax(module, vmap_randomness='different')", "module.eval()"):
+    for advice in (
+        "rng=key",
+        "module_to_jax(module, vmap_randomness='different')",
+        "module.eval()",
+    ):
         assert advice in text
     assert "to_jax(fn, " not in text  # not the other entry point's spelling
     # Each advice works: a key per example, and eval mode (then equal to torch's own).

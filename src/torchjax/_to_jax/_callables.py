@@ -96,7 +96,13 @@ from torchjax._to_jax._autograd import (
     stack_batch,
 )
 from torchjax._to_jax._call_plan import INT32_NOTE, autograd_inside, leaf_paths
-from torchjax._to_jax._fake_run import default_torch_device, fake_eval, fake_target, function_name
+from torchjax._to_jax._fake_run import (
+    default_torch_device,
+    fake_eval,
+    fake_target,
+    function_name,
+    owner_classes,
+)
 from torchjax._to_jax._options import Options
 from torchjax._to_jax._outputs import as_jax_tree
 from torchjax._to_jax._residual import (
@@ -355,12 +361,11 @@ def _module_frame(error: BaseException) -> str:
     """The innermost nn.Module method the error passed through, with its line
     ("BatchNorm1d.forward (batchnorm.py:193)"), or ""."""
     found, tb = "", error.__traceback__
-    while tb is not None:
+    for owner in owner_classes(error):
         frame = tb.tb_frame
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, torch.nn.Module):
+        if issubclass(owner, torch.nn.Module):
             file = frame.f_code.co_filename.rsplit("/", 1)[-1]
-            name = f"{type(owner).__name__}.{frame.f_code.co_name}"
+            name = f"{owner.__name__}.{frame.f_code.co_name}"
             found = f"{name} ({file}:{tb.tb_lineno})"
         tb = tb.tb_next
     return found
@@ -376,12 +381,12 @@ def _reading_frame(error: BaseException) -> str:
     in Normal.__init__: if not valid.all():" (or ""): the innermost frame of `error`'s
     traceback that is not torch's dispatch machinery or torchjax's."""
     found, tb = "", error.__traceback__
-    while tb is not None:
+    for owner in owner_classes(error):
         code = tb.tb_frame.f_code
         path = code.co_filename.replace("\\", "/")
         if not any(part in path for part in _DISPATCH_FILES):
-            owner = tb.tb_frame.f_locals.get("self")
-            name = code.co_name if owner is None else f"{type(owner).__name__}.{code.co_name}"
+            none = owner is type(None)
+            name = code.co_name if none else f"{owner.__name__}.{code.co_name}"
             where = path.rsplit("site-packages/", 1)[-1]
             source = linecache.getline(code.co_filename, tb.tb_lineno).strip()
             found = f"{where}:{tb.tb_lineno}, in {name}" + (f": {source}" if source else "")

@@ -231,12 +231,14 @@ class FakeRunState:
         gc.collect()  # what only a reference cycle kept goes now
         if self._first_alive() is None:
             return
+        if after is not None and not _reach_state([r() for r in self.made if r() is not None]):
+            return  # only the failure holds them (see _reach_state): they go with it
         for cache, size in zip(self.caches, self.sizes, strict=True):
             if _cache_size(cache) != size:
                 cache.cache_clear()
         for ref in self.made:
             _take_back(ref)
-        t = self._first_alive()
+        t = self._first_alive() if after is None else self._first_held()
         if t is not None:
             holder = _describe(t)
             del t
@@ -246,12 +248,50 @@ class FakeRunState:
             failed = f"{type(after).__name__}: {after}".split("\n")[0]
             raise ShapeInferenceError(f"{text}\n(The fake run had failed: {failed})") from after
 
+    def _first_held(self) -> torch.Tensor | None:
+        """_first_alive for a failed run: the first tensor that state holds, not only the
+        failure (its traceback's frames, the exception and what it carries)."""
+        alive = [t for t in (r() for r in self.made) if t is not None]
+        if not alive or not _reach_state(alive):
+            return None
+        return next((t for t in alive if _reach_state([t])), None)
+
     def _first_alive(self) -> torch.Tensor | None:
         for r in self.made:
             t = r()
             if t is not None:
                 return t
         return None
+
+
+# What a failed run's exception keeps alive until it is dropped: no state of the user's.
+_FAILURE_PARTS = (types.FrameType, types.TracebackType, BaseException)
+
+
+def _reach_state(tensors: list, levels: int = 8, budget: int = 20_000) -> bool:
+    """Whether a path of references from any of `tensors` leads to a module or a class
+    (where state lives: globals, class attributes, and what they hold) other than through
+    a failure's frames, tracebacks and exceptions, which die with it. One scan of the heap
+    per level for all of them together; a search past `budget` objects counts as not
+    reaching (the run's own failure is then what the user sees)."""
+    frontier, seen = list(tensors), {id(t) for t in tensors}
+    mine = {id(frontier), id(tensors)}
+    for _ in range(levels):
+        nxt: list = []
+        mine.add(id(nxt))
+        for r in gc.get_referrers(*frontier):
+            if id(r) in seen or id(r) in mine or isinstance(r, _FAILURE_PARTS):
+                continue
+            if isinstance(r, types.ModuleType | type):
+                return True
+            seen.add(id(r))
+            nxt.append(r)
+        if not nxt or len(seen) > budget:
+            return False
+        mine.discard(id(frontier))
+        frontier = nxt
+        mine.add(id(frontier))
+    return False
 
 
 def _take_back(ref: weakref.ref) -> None:

@@ -182,15 +182,42 @@ def fake_eval(
         except BaseException as failure:
             touched.restore()
             # A failed run is cleaned up as a finished one: what it left in state torchjax
-            # cannot reach (pyro's global param store) is refused. The failure's frames
-            # hold the run's fake tensors too; their locals go (their lines stay, for the
-            # traceback), or every such tensor would look left behind.
+            # cannot reach (pyro's global param store) is refused. The failure's frames hold
+            # the run's fake tensors too: their locals go (their lines stay, and the class of
+            # each one's `self`, which messages name, is kept first: owner_classes).
+            _keep_owner_classes(failure)
             traceback.clear_frames(failure.__traceback__)
             touched.check_left_behind(after=failure)
             raise
         touched.restore()
         touched.check_left_behind()
     return types
+
+
+# The class of `self` in each frame of the last failed fake run's traceback (per thread),
+# taken before those frames drop their locals (fake_eval).
+_failed = threading.local()
+
+
+def _keep_owner_classes(failure: BaseException) -> None:
+    owners, tb = {}, failure.__traceback__
+    while tb is not None:  # by frame: the traceback grows as the failure is raised on
+        owners[id(tb.tb_frame)] = type(tb.tb_frame.f_locals.get("self"))
+        tb = tb.tb_next
+    _failed.error, _failed.owners = failure, owners
+
+
+def owner_classes(error: BaseException) -> list:
+    """The class of `self` (NoneType where none) in each frame of `error`'s traceback,
+    in order: kept where a failed fake run cleared those frames, else read from them."""
+    kept = _failed.owners if getattr(_failed, "error", None) is error else {}
+    owners, tb = [], error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        found = kept.get(id(frame))
+        owners.append(found if found is not None else type(frame.f_locals.get("self")))
+        tb = tb.tb_next
+    return owners
 
 
 def _fake_run(fn: Any, args: tuple, name: str, describe: Any, touched: FakeRunState) -> Any:
