@@ -11,7 +11,7 @@
 # A Hessian-vector product with respect to the parameters of an MLP 256-256-10 on 64
 # examples, jax.jit(jax.jvp(jax.grad(loss))) against torch.func.jvp(torch.func.grad(loss)):
 # forward over reverse in both, the same matrix-product count (tests/test_forward_over_
-# reverse.py counts them). Before the DCE rule (_rule_dce.py) the jitted HVP also ran the
+# reverse.py counts them). Before the DCE rule (_torch_call/_dce.py) the jitted HVP also ran the
 # reverse pass's forward and its JVP, for nothing but its random-number state.
 from __future__ import annotations
 

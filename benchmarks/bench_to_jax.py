@@ -11,7 +11,7 @@
 # dispatch mode that only counts ops (what finding the op that makes an output would cost
 # each op). For 2**24 elements the question is extra copies, not overhead: the copy into
 # XLA's output buffer against a hand-written callback whose op writes there itself (out=),
-# and what asking the kernel for huge pages on that buffer saves (_huge_pages.py; off where
+# and what asking the kernel for huge pages on that buffer saves (_call/_huge_pages.py; off where
 # the kernel does not give them on request): the hand-written callbacks do not ask.
 # Grad mode and int32 inputs: the checks against the same with grad mode switched off
 # around f (as torchjax did before issue 46); to_jax eager called in torch.enable_grad()
@@ -34,7 +34,7 @@ import torchjax
 from torchjax import _convert
 from torchjax._compat._jax import dlpack_export, dlpack_import
 from torchjax._compat._torch import cpu_array_from_tensor
-from torchjax._to_jax import _huge_pages
+from torchjax._to_jax._call import _huge_pages as _huge_pages
 
 _from_capsule = torch._C._from_dlpack  # torch.utils.dlpack.from_dlpack without its wrapper
 

@@ -1,5 +1,6 @@
 """torch.autocast: a call takes the state where it is made, or, under jax.jit, where it is
-traced (_to_jax/_autocast.py). References: the same torch code called directly in the same
+traced (_to_jax/_torch_ops/_autocast.py).
+References: the same torch code called directly in the same
 state (its dtypes and values), and torch autograd for gradients."""
 
 from __future__ import annotations

@@ -269,7 +269,7 @@ def test_direct_linearization_is_registered_and_agrees_with_jax_fallback(monkeyp
     # gives the same values: the rule costs nothing but time to lose.
     import torchjax
     from torchjax._compat import _jax
-    from torchjax._to_jax._torch_call import torch_call_p
+    from torchjax._to_jax._torch_call._primitive import torch_call_p
 
     assert _jax.LINEARIZE_CONVENTION in ("nonzeros", "is_vjp", "structured")
     table = _jax._linearizations

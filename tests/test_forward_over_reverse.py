@@ -1,4 +1,4 @@
-"""Forward over reverse under jit (_rule_dce.py): a Hessian-vector product
+"""Forward over reverse under jit (_torch_call/_dce.py): a Hessian-vector product
 (jax.jvp(jax.grad(f))) and jax.hessian run the forward as often as torch.func does, counted
 by the matrix products torch runs, with torch.func's numbers and random draws. Without the
 rule, the reverse pass's forward would still run for its random-number state: one more
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from helpers import MatmulCount, tree_close
 
 import torchjax
-from torchjax._to_jax._residual import GRAPHS
+from torchjax._to_jax._torch_ops._residual import GRAPHS
 
 pytestmark = pytest.mark.core  # the version matrix runs this module
 

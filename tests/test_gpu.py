@@ -18,7 +18,7 @@ from helpers import as_numpy
 from torch._subclasses.fake_tensor import FakeTensor
 
 import torchjax
-from torchjax._to_jax._cuda import gpu_oom_note
+from torchjax._to_jax._call._cuda import gpu_oom_note
 
 pytestmark = pytest.mark.core  # runs in the version matrix too, where the GPU tests skip
 
@@ -278,7 +278,7 @@ def streams(monkeypatch):
 
 
 def test_jitted_call_waits_for_torchs_stream_and_torch_waits_for_it(streams):
-    from torchjax._to_jax._cuda import on_xla_stream
+    from torchjax._to_jax._call._cuda import on_xla_stream
 
     log, _ = streams
     with on_xla_stream(99, 0):
@@ -295,7 +295,7 @@ def test_jitted_call_waits_for_torchs_stream_and_torch_waits_for_it(streams):
 
 
 def test_kept_graph_backward_on_another_stream_is_ordered_both_ways(streams):
-    from torchjax._to_jax._cuda import ordered_with
+    from torchjax._to_jax._call._cuda import ordered_with
 
     log, current = streams
     forward = _Stream(99, log, device=torch.device("cuda", 0))  # XLA's, under jit

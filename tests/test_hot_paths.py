@@ -24,7 +24,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 import torchjax
-from torchjax._to_jax._torch_call import torch_call_p
+from torchjax._to_jax._torch_call._primitive import torch_call_p
 from torchjax._to_torch import _to_torch
 from torchjax.errors import CopyWarning, InPlaceMutationError, OutputMismatchError
 

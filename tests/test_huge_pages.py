@@ -1,4 +1,4 @@
-"""Huge-page advice on XLA's large CPU output buffers under jit (_huge_pages.py): which
+"""Huge-page advice on XLA's large CPU output buffers under jit (_call/_huge_pages.py): which
 buffers get it, that the kernel records it for the buffer the call wrote, and that every
 number stays what torch computes."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torchjax
-from torchjax._to_jax import _huge_pages
+from torchjax._to_jax._call import _huge_pages as _huge_pages
 
 HUGE = 2 * 2**20
 LIBC_MADVISE = _huge_pages._libc_madvise() if sys.platform.startswith("linux") else None
@@ -143,7 +143,7 @@ def test_torchjax_huge_pages_0_turns_the_advice_off():
     code = textwrap.dedent(
         """
         import jax, jax.numpy as jnp
-        from torchjax._to_jax import _huge_pages
+        from torchjax._to_jax._call import _huge_pages as _huge_pages
         big = jax.ShapeDtypeStruct((2**22,), jnp.float32)
         print(_huge_pages.ENABLED, _huge_pages.large_outputs([big]))
         """

@@ -147,7 +147,7 @@ def test_two_unseeded_draws_in_one_jit_draw_twice(callback, monkeypatch):
     """Two calls on the same inputs inside one jax.jit draw two masks, as two torch calls
     and two eager calls do (XLA merged the two identical callbacks into one: an R-Drop
     consistency loss was 0 and its gradient too). The same sequence as torch's from a seed."""
-    from torchjax._to_jax import _rule_lowering
+    from torchjax._to_jax._torch_call import _lowering as _rule_lowering
 
     if callback == "pure_callback":
         monkeypatch.setattr(_rule_lowering, "USE_BUFFER_CALLBACK", False)

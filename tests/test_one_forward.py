@@ -17,7 +17,7 @@ from helpers import tree_close
 from torch._subclasses.fake_tensor import is_fake
 
 import torchjax
-from torchjax._to_jax._residual import GRAPHS
+from torchjax._to_jax._torch_ops._residual import GRAPHS
 
 pytestmark = pytest.mark.core  # the version matrix runs this module
 
@@ -315,7 +315,8 @@ def test_a_step_copies_no_input(jit, monkeypatch):
     # The kept graph must not make the call copy its inputs: neither by running it on
     # copies (a protected input asked for a writable pointer) nor by giving XLA's buffers
     # a private copy because the graph keeps the parameters alive (copy_kept_inputs).
-    from torchjax._to_jax import _call_plan, _rule_lowering
+    from torchjax._to_jax._call import _plan as _call_plan
+    from torchjax._to_jax._torch_call import _lowering as _rule_lowering
 
     copied = []
     on_copies = _call_plan.CallPlan.invoke_on_copies
@@ -360,7 +361,7 @@ def test_a_function_that_keeps_its_input_still_reads_the_call_values():
 def _copies_after_the_backward(monkeypatch) -> list:
     """The shapes of the outputs the jitted callbacks copy into XLA's buffers after their
     calls (the forward's loss, graph handle and RNG state among them)."""
-    from torchjax._to_jax import _rule_lowering
+    from torchjax._to_jax._torch_call import _lowering as _rule_lowering
 
     copied = []
     write = _rule_lowering.write_output
@@ -399,7 +400,7 @@ def test_jitted_gradients_go_into_xlas_buffers_as_torch_computes_them(monkeypatc
 
 def test_without_graph_task_ids_the_gradients_are_copied_after(monkeypatch):
     # The control for the test above: with the hooks off, both gradients are copied.
-    from torchjax._to_jax import _residual
+    from torchjax._to_jax._torch_ops import _residual as _residual
 
     monkeypatch.setattr(_residual, "current_graph_task_id", None)
     copied = _copies_after_the_backward(monkeypatch)
@@ -433,7 +434,7 @@ class _VjpInsideBackward(torch.autograd.Function):
 def test_a_backward_nested_in_the_backward_keeps_its_own_gradients(monkeypatch):
     # The hook that writes a leaf's gradient acts in the outer backward only: the nested
     # torch.autograd.grad through the same leaf must see the real gradient, not a zero.
-    from torchjax._to_jax import _residual
+    from torchjax._to_jax._torch_ops import _residual as _residual
 
     monkeypatch.setattr(_residual, "MIN_HOOKED_NUMEL", 1)  # hook the small leaf too
 

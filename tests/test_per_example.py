@@ -1,4 +1,4 @@
-"""Per-example gradients from one forward (_batched_tape.py): jax.vmap of jax.grad or
+"""Per-example gradients from one forward (_callables/_batched_tape.py): jax.vmap of jax.grad or
 jax.value_and_grad runs the batched forward once, keeping one graph for every example, and
 pulls each example's cotangent back through it: torch.func's matmul count, counted here
 by a dispatch mode, and torch.func's numbers (torch.func.vmap(torch.func.grad_and_value))."""
@@ -143,7 +143,8 @@ def test_a_jitted_per_example_step_copies_no_input(monkeypatch):
     # The batched leaves (parameters expanded with stride 0) are emptied after the forward
     # and rebuilt from the VJP's inputs, so the call never gives XLA's input buffers a
     # private copy (_guard.copy_kept_inputs), nor runs on copies.
-    from torchjax._to_jax import _call_plan, _rule_lowering
+    from torchjax._to_jax._call import _plan as _call_plan
+    from torchjax._to_jax._torch_call import _lowering as _rule_lowering
 
     copied = []
     released = _rule_lowering.copy_kept_inputs

@@ -11,8 +11,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 import torchjax
-from torchjax._to_jax import _rule_lowering
-from torchjax._to_jax._torch_call import torch_call_p
+from torchjax._to_jax._torch_call import _lowering as _rule_lowering
+from torchjax._to_jax._torch_call._primitive import torch_call_p
 
 pytestmark = pytest.mark.core  # the version matrix runs this module
 

@@ -107,7 +107,7 @@ def test_non_array_leaf_named_by_its_path():
 
 
 def test_plain_outputs_are_passed_through_unchanged():
-    from torchjax._to_jax._outputs import as_jax_tree
+    from torchjax._to_jax._call._outputs import as_jax_tree
 
     t = torch.ones(2)
     pair = (t, t)

@@ -258,7 +258,7 @@ def concrete_value(x: Any) -> Any:
 
 
 # The folder of jax's own frames, which its traceback filter hides (and so does the text of
-# a torch error under jit: _callback_errors.py).
+# a torch error under jit: _torch_call/_callback_errors.py).
 JAX_SOURCE_DIR = os.path.join(os.path.dirname(jax.__file__), "_src") + os.sep
 
 
@@ -300,7 +300,7 @@ def _not_mapped(axis: Any) -> bool:
 # Whether a lowering is partitioned across devices: jit with sharded inputs (XLA's SPMD
 # partitioner, automatic axes) or shard_map (manual axes). A side-effecting custom call
 # there needs a sharding of its own, which jax's callbacks give and buffer_callback does
-# not (_rule_lowering.py).
+# not (_torch_call/_lowering.py).
 _ShardingContext = private(
     "jax._src.sharding_impls.ShardingContext", fallback="no partitioned lowering is recognized"
 )
@@ -319,7 +319,7 @@ def partitioned(axis_context: Any) -> bool:
     return False
 
 
-# The JVP splits (_rule_partial_eval.py): partial-evaluation rules, and remat policy results.
+# The JVP splits (_torch_call/_partial_eval.py): partial-evaluation rules, and remat policy results.
 partial_eval = types.SimpleNamespace(
     custom_partial_eval_rules=private(
         "jax.interpreters.partial_eval.custom_partial_eval_rules",
@@ -335,7 +335,7 @@ partial_eval = types.SimpleNamespace(
     JaxprTrace=or_(resolve("jax._src.interpreters.partial_eval.JaxprTrace"), Any),
 )
 
-# Dead-code elimination rules (_rule_dce.py). JAX 0.12 passes which inputs are live (for
+# Dead-code elimination rules (_torch_call/_dce.py). JAX 0.12 passes which inputs are live (for
 # effects) between the used outputs and the equation; earlier versions do not.
 _NO_DCE = "under jit, forward-over-reverse runs a forward more than torch.func does"
 _dce_rules = private(
@@ -437,7 +437,7 @@ def traceback_boundary(fn: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------
-# JAX and jaxlib: the x64 flag, DLPack, arrays' devices (_convert.py, _torch_call.py)
+# JAX and jaxlib: the x64 flag, DLPack, arrays' devices (_convert.py, _torch_call/_primitive.py)
 # ---------------------------------------------------------------------------------------
 
 # Whether an array was placed on its device explicitly, and a single-device sharding's

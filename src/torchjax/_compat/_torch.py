@@ -165,7 +165,7 @@ def _plain_function_apply(cls: type, args: tuple) -> Any:
 plain_function_apply = None if ABSENT in (_unwrap_dead, _base_apply) else _plain_function_apply
 
 # What autograd.Function.apply calls inside torch.func transforms; a TorchFunctionMode sees
-# it as the function called (_batched_tape.py watches for it). None where missing.
+# it as the function called (_callables/_batched_tape.py watches for it). None where missing.
 custom_function_call = or_(
     private(
         "torch._functorch.autograd_function.custom_function_call",
@@ -290,7 +290,7 @@ def legacy_vmap_level() -> int:
 
 
 # torch.autocast's state on this thread, which a call takes where it is traced (eagerly:
-# called) and runs its torch code in (_callables.UserFunction, _rule_lowering.py).
+# called) and runs its torch code in (_callables.UserFunction, _torch_call/_lowering.py).
 _any_autocast = private("torch._C._is_any_autocast_enabled", fallback="autocast read per device")
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -327,7 +327,8 @@ def autocast_as(state: tuple) -> Any:
 
 
 # Whether a tensor is batched at the innermost vmap level, from inside the vmapped function:
-# which outputs of a batched call stay unbatched (jax.vmap's out_axes=None, _callables.py).
+# which outputs of a batched call stay unbatched (jax.vmap's out_axes=None,
+# _callables/_callables.py).
 # A wrapper's level says which transform made it; one from an outer level is not batched
 # here. Without these names every output counts as batched (broadcast, as before).
 _NO_UNBATCHED = "every output of a batched call batched (out_axes=None refused)"
@@ -367,7 +368,7 @@ def operator_name(fn: Any) -> str | None:
     return str(getattr(fn, "_qualname", None) or fn)  # a custom op's "namespace::name"
 
 
-# Fake tensors: output shapes without data (_fake_run.py, _module_to_jax.py, _convert.py).
+# Fake tensors: output shapes without data (_fake/_run.py, _module_to_jax.py, _convert.py).
 fake_tensor = private("torch._subclasses.fake_tensor")
 FakeTensorMode = private("torch._subclasses.fake_tensor.FakeTensorMode")
 is_fake = private("torch._subclasses.fake_tensor.is_fake")
@@ -388,7 +389,7 @@ def quiet_fake_tensor_log(quiet: Any) -> None:
         log.addFilter(record_filter)
 
 
-# torch's pytree registry: containers torch knows and JAX does not (_outputs.py).
+# torch's pytree registry: containers torch knows and JAX does not (_call/_outputs.py).
 torch_pytree = private("torch.utils._pytree")
 private("torch.utils._pytree.SUPPORTED_NODES")
 private("torch.utils._pytree.MappingKey")
@@ -463,7 +464,8 @@ module_parameters = operator.attrgetter("_parameters")
 module_buffers = operator.attrgetter("_buffers")
 module_children = operator.attrgetter("_modules")
 
-# The in-place guard (_guard.py, _call_plan.py, _rule_lowering.py): dispatch modes, and who
+# The in-place guard (_call/_guard.py, _call/_plan.py, _torch_call/_lowering.py): dispatch
+# modes, and who
 # shares a tensor's storage.
 TorchDispatchMode = private("torch.utils._python_dispatch.TorchDispatchMode")
 # Every later write into the storage raises before it happens (torch's mark for fake ones).

@@ -44,9 +44,15 @@ from torchjax._module_to_jax._placeholders import (
     computed_attributes,
     placeholder,
 )
-from torchjax._to_jax._fake_run import real_mode
-from torchjax._to_jax._residual import HeldState, KeptGraph, hold, input_view, rebuild_input_view
-from torchjax._to_jax._snapshots import ModulesSnapshot
+from torchjax._to_jax._fake._run import real_mode
+from torchjax._to_jax._fake._snapshots import ModulesSnapshot
+from torchjax._to_jax._torch_ops._residual import (
+    HeldState,
+    KeptGraph,
+    hold,
+    input_view,
+    rebuild_input_view,
+)
 
 GROUPS = ("params", "buffers")
 _setitem = operator.setitem

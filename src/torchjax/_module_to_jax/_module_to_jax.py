@@ -37,7 +37,7 @@ from torchjax._errors import ArgumentError, VariablesError
 from torchjax._module_to_jax._copies import ModuleState
 from torchjax._module_to_jax._move import move_out
 from torchjax._primitive._params import ARRAY
-from torchjax._to_jax._guard import same_bytes
+from torchjax._to_jax._call._guard import same_bytes
 from torchjax._to_jax._options import GradMethod, VmapMethod, VmapRandomness
 from torchjax._to_jax._to_jax import to_jax
 

@@ -23,7 +23,7 @@ from torchjax._compat._torch import module_buffers, module_parameters
 from torchjax._convert import tensors_to_jax
 from torchjax._errors import CopyWarning, warn
 from torchjax._module_to_jax._placeholders import MOVED, computed_tensor_attributes, placeholder
-from torchjax._to_jax._guard import owns_memory_alone
+from torchjax._to_jax._call._guard import owns_memory_alone
 
 _HELD = """\
 module_to_jax({module}, copy="move"): {names} {verb} also reachable outside the module (a

@@ -42,7 +42,7 @@ from torchjax._compat._torch import (
     tensor_use_count,
     tensor_version,
 )
-from torchjax._to_jax._cuda import forward_stream, ordered_with
+from torchjax._to_jax._call._cuda import forward_stream, ordered_with
 
 _getrefcount = sys.getrefcount
 
@@ -443,7 +443,7 @@ def recording(graph: KeptGraph, inputs: list[torch.Tensor]) -> Iterator[None]:
     """Record a forward into `graph`: saved views of `inputs` by reference, their sizes
     not counted; everything else torch saves counted in graph.nbytes."""
     # Storage ids, not data pointers: asking a protected input for its data pointer is a
-    # request to write (see _guard.py), and would make the call run on copies.
+    # request to write (see _call/_guard.py), and would make the call run on copies.
     where = {storage_id(t): k for k, t in enumerate(inputs) if t.numel()}
     dtypes = [t.dtype for t in inputs]
     # Autograd run inside the forward (forces from an energy, gradient penalties) unpacks

@@ -27,9 +27,9 @@ from torchjax._compat._torch import (
 )
 from torchjax._convert import canonical_jax_dtype, check_has_data, torch_dtype
 from torchjax._errors import ConversionError, OutputMismatchError
-from torchjax._to_jax._autocast import InAutocast
-from torchjax._to_jax._fake_isolation import FakeRunState
-from torchjax._to_jax._guard import WriteGuard, check_versions
+from torchjax._to_jax._call._guard import WriteGuard, check_versions
+from torchjax._to_jax._fake._isolation import FakeRunState
+from torchjax._to_jax._torch_ops._autocast import InAutocast
 
 _tree = jax.tree_util
 
@@ -149,7 +149,7 @@ def fake_eval(
 ) -> Any:
     """Run `fn(*args)` on fake tensors; return its output as a pytree of ShapeDtypeStruct.
 
-    The run leaves no trace (_fake_isolation.py): the Python state of the modules reachable
+    The run leaves no trace (_fake/_isolation.py): the Python state of the modules reachable
     from `state_of` is put back afterwards, and a fake tensor that something else kept is
     an error (an lru_cache that kept one is cleared).
 

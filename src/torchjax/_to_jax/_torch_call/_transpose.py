@@ -14,9 +14,9 @@ import numpy as np
 
 from torchjax._errors import AutodiffError
 from torchjax._primitive._params import Linear
-from torchjax._to_jax._callables import JvpFunction, VjpFunction, ZerosLike
+from torchjax._to_jax._callables._callables import JvpFunction, VjpFunction, ZerosLike
 from torchjax._to_jax._options import Options
-from torchjax._to_jax._torch_call import torch_call_p
+from torchjax._to_jax._torch_call._primitive import torch_call_p
 
 _tree = jax.tree_util
 
@@ -30,7 +30,7 @@ def transpose(cts: Any, *args: Any, fn: Any, options: Options) -> tuple:
     taken at zero (any point will do for a linear function).
     """
     if isinstance(fn, JvpFunction) and fn.with_primals:
-        # Partial evaluation splits this form before transposition (see _rule_partial_eval.py);
+        # Partial evaluation splits this form before transposition (see _partial_eval.py);
         # should it reach here whole, its outputs must carry no cotangent.
         n_out = len(fn.out_mask)
         if any(c is not None for c in cts[:n_out]):

@@ -1,19 +1,19 @@
 # torch_call_p: the one primitive behind every wrapped torch function, and its rules.
 #
 # `torch_call_p.bind(*args, fn=fn, options=options)` means "fn(*args), computed by torch":
-# `fn` is the user's function or one derived from it by a transformation (_callables.py).
+# `fn` is the user's function or one derived from it by a transformation (_callables/_callables.py).
 # Because every derived function is again a torch callable bound to this primitive, the
 # rules compose: vmap of grad, hessian, jit of vmap of vmap.
 #
 # This file defines the primitive and registers every rule, one module each:
-#   abstract eval      _rule_abstract_eval.py   output types: declared, fake-run, derived
-#   impl (eager)       _rule_impl.py            DLPack both ways; a real run gives the types
-#   lowering (jit)     _rule_lowering.py        buffer_callback on XLA's buffers
-#   batching (vmap)    _rule_batching.py        torch.func.vmap, and the policies
-#   jvp                _rule_jvp.py             one torch.func.jvp
-#   transpose          _rule_transpose.py       torch.func.vjp / torch.autograd.grad
-#   partial eval       _rule_partial_eval.py    the JVP split: linearize, grad, checkpoint
-#   dead code (jit)    _rule_dce.py             forwards of which only residuals are read
+#   abstract eval      _torch_call/_abstract_eval.py   output types: declared, fake-run, derived
+#   impl (eager)       _torch_call/_impl.py            DLPack both ways; a real run gives the types
+#   lowering (jit)     _torch_call/_lowering.py        buffer_callback on XLA's buffers
+#   batching (vmap)    _torch_call/_batching.py        torch.func.vmap, and the policies
+#   jvp                _torch_call/_jvp.py             one torch.func.jvp
+#   transpose          _torch_call/_transpose.py       torch.func.vjp / torch.autograd.grad
+#   partial eval       _torch_call/_partial_eval.py    the JVP split: linearize, grad, checkpoint
+#   dead code (jit)    _torch_call/_dce.py             forwards of which only residuals are read
 # TorchCallPrimitive adds to PytreePrimitive what only torch calls need: params that live on
 # the user's function (they die with it), eager calls of the user's function that run for
 # real without a fake run, and the partial-evaluation and linearization rules that JAX
@@ -139,20 +139,18 @@ def _the_primitive() -> TorchCallPrimitive:
 
 # An error in a wrapped call shows the user's frames (their call, their torch code), not
 # torchjax's, wherever JAX filters tracebacks: torchjax is one more layer of JAX to them.
-hide_frames_under(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+hide_frames_under(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # Every rule, registered here and nowhere else. The rule modules bind torch_call_p, so they
 # are imported once it exists.
-from torchjax._to_jax import (  # noqa: E402
-    _rule_abstract_eval,
-    _rule_batching,
-    _rule_dce,
-    _rule_impl,
-    _rule_jvp,
-    _rule_lowering,
-    _rule_partial_eval,
-    _rule_transpose,
-)
+from torchjax._to_jax._torch_call import _abstract_eval as _rule_abstract_eval  # noqa: E402
+from torchjax._to_jax._torch_call import _batching as _rule_batching  # noqa: E402
+from torchjax._to_jax._torch_call import _dce as _rule_dce  # noqa: E402
+from torchjax._to_jax._torch_call import _impl as _rule_impl  # noqa: E402
+from torchjax._to_jax._torch_call import _jvp as _rule_jvp  # noqa: E402
+from torchjax._to_jax._torch_call import _lowering as _rule_lowering  # noqa: E402
+from torchjax._to_jax._torch_call import _partial_eval as _rule_partial_eval  # noqa: E402
+from torchjax._to_jax._torch_call import _transpose as _rule_transpose  # noqa: E402
 
 torch_call_p.def_abstract_eval(_rule_abstract_eval.abstract_eval)
 torch_call_p.def_lowering(_rule_lowering.lowering, signature=True)

@@ -4,7 +4,7 @@
 # Code with state keeps what it computes: a tensor attribute built lazily in forward, a
 # buffer registered on first use, a functools.lru_cache of tables, a library's prediction
 # cache, a list a hook appends its input to. Kept from a fake run, such a tensor reaches
-# later real calls (and plain torch) as garbage. So around every fake run (_fake_run.py):
+# later real calls (and plain torch) as garbage. So around every fake run (_fake/_run.py):
 #   * what the function can reach (itself, its closure, the globals its code names, a bound
 #     method's object, a partial's arguments, and the objects, lists and dicts those hold;
 #     for modules, every submodule, its attributes and the globals of its forward code) is
@@ -30,13 +30,13 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from torchjax._compat._torch import fake_mode_active, is_fake
 from torchjax._errors import ShapeInferenceError
-from torchjax._to_jax._snapshots import (
+from torchjax._to_jax._fake._snapshots import (
     TORCH_ENTRIES,
     DictSnapshot,
     ListSnapshot,
     ModuleSnapshot,
 )
-from torchjax._to_jax._user_objects import (
+from torchjax._to_jax._fake._user_objects import (
     class_attribute,
     instance_dict,
     is_instance,
@@ -44,7 +44,7 @@ from torchjax._to_jax._user_objects import (
     items,
     partial_parts,
 )
-from torchjax._to_jax._user_objects import (
+from torchjax._to_jax._fake._user_objects import (
     size as container_size,
 )
 
@@ -90,7 +90,7 @@ class Reachable:
 
     def _visit(self, obj: Any, depth: int) -> list:
         """Record obj; return what it refers to that a call may read, if not too deep.
-        Nothing of the user's runs here (_user_objects.py)."""
+        Nothing of the user's runs here (_fake/_user_objects.py)."""
         if is_instance(obj, torch.nn.Module):
             found = []
             for m in obj.modules():

@@ -22,7 +22,8 @@ import os
 from torchjax._compat._jax import JAX_SOURCE_DIR
 
 _HIDDEN = (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # torchjax's own
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    + os.sep,  # torchjax's own
     JAX_SOURCE_DIR,  # jax's own, hidden eagerly too
 )
 

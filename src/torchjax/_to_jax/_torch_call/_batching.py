@@ -19,8 +19,8 @@ import jax.numpy as jnp
 
 from torchjax._errors import VmapError
 from torchjax._primitive._params import is_operand
-from torchjax._to_jax._batched_tape import BatchedRecordedForward, BatchedTapedVjp
-from torchjax._to_jax._callables import (
+from torchjax._to_jax._callables._batched_tape import BatchedRecordedForward, BatchedTapedVjp
+from torchjax._to_jax._callables._callables import (
     BatchedFunction,
     JvpFunction,
     LeadingAxisFunction,
@@ -28,8 +28,8 @@ from torchjax._to_jax._callables import (
     VjpFunction,
 )
 from torchjax._to_jax._options import Options
-from torchjax._to_jax._torch_call import torch_call_p
-from torchjax._to_jax._vmap import LEADING_AXIS_MESSAGE
+from torchjax._to_jax._torch_call._primitive import torch_call_p
+from torchjax._to_jax._torch_ops._vmap import LEADING_AXIS_MESSAGE
 
 _tree = jax.tree_util
 
@@ -87,7 +87,8 @@ def _tensor_in_dims(args: tuple, axes: tuple) -> tuple:
 
 
 def _taped_forward(args: tuple, axes: tuple, fn: RecordedForward, options: Options) -> Any:
-    """The batched forward that keeps one graph for every example (_batched_tape.py), where
+    """The batched forward that keeps one graph for every example
+    (_callables/_batched_tape.py), where
     it applies: the user's function, batched by torch.func, with every output batched."""
     if options.vmap_method != "torch.func" or options.grad_method == "autograd":
         return None
@@ -131,7 +132,7 @@ def by_method(args: tuple, axes: tuple, *, fn: Any, options: Options) -> tuple[A
     (with "torch.func", the user's function's outputs that depend on no batched input stay
     unbatched: jax.vmap's out_axes=None).
 
-    torch_call_p's batching rule; _rule_partial_eval.py registers it, after taking out one case
+    torch_call_p's batching rule; _partial_eval.py registers it, after taking out one case
     of the JVP call (tangents batched, primals not).
     """
     leaves, tree = _tree.tree_flatten(args)

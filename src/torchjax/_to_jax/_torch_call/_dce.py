@@ -31,7 +31,7 @@ import torch
 
 from torchjax._compat._jax import core, replace_equation
 from torchjax._primitive._params import ARRAY
-from torchjax._to_jax._callables import (
+from torchjax._to_jax._callables._callables import (
     BatchedFunction,
     DerivedFunction,
     JvpFunction,
@@ -39,10 +39,10 @@ from torchjax._to_jax._callables import (
     VjpFunction,
     device_of,
 )
-from torchjax._to_jax._fake_run import default_torch_device
+from torchjax._to_jax._fake._run import default_torch_device
 from torchjax._to_jax._options import Options
-from torchjax._to_jax._residual import rng_state
-from torchjax._to_jax._rule_partial_eval import torch_call_eqn
+from torchjax._to_jax._torch_call._partial_eval import torch_call_eqn
+from torchjax._to_jax._torch_ops._residual import rng_state
 
 # The user's functions a ForwardResiduals has run once (see there).
 _WARMED: weakref.WeakSet = weakref.WeakSet()

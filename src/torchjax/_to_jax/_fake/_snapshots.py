@@ -2,7 +2,7 @@
 #
 # module_to_jax resets each private module copy to its template's state after every call
 # (ModulesSnapshot, checked in C for the whole module tree), and a fake run puts back what
-# it touched in the user's objects (_fake_isolation.py): a module's whole state, elsewhere
+# it touched in the user's objects (_fake/_isolation.py): a module's whole state, elsewhere
 # only the entries that came to hold a fake tensor.
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 
 from torchjax._compat._torch import is_fake, module_buffers, module_children, module_parameters
 from torchjax._compat._torch import tensor_version as _version
-from torchjax._to_jax._user_objects import instance_dict, items
+from torchjax._to_jax._fake._user_objects import instance_dict, items
 
 # Entries every nn.Module has in its __dict__ (hook tables, flags): torch's bookkeeping,
 # which a forward does not change. Other dicts, lists and sets are the module's own state
@@ -152,7 +152,7 @@ class NestedState:
 
     Taken of a private module copy, whose objects are its own (a deep copy): a change is
     the forward's, and restoring it touches nobody else's. Nothing of the user's runs
-    (_user_objects.py): containers and objects' __dict__s are read through the built-in
+    (_fake/_user_objects.py): containers and objects' __dict__s are read through the built-in
     types and compared by the identity of what they hold, in C; tensors by version counter,
     each restored from a copy of its data taken with the snapshot.
     """

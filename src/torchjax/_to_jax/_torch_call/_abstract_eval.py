@@ -1,7 +1,7 @@
 # torch_call's abstract evaluation rule: the output types of a call, without running it.
 #
 # Declared by the user (result_shape_dtypes), found by one run on fake tensors (the user's
-# function, once per signature: see _fake_run.py), or derived from the inner function's
+# function, once per signature: see _fake/_run.py), or derived from the inner function's
 # types (every derived callable: its out_types). Inputs are checked here too: a dtype torch
 # has no equivalent of, a torch tensor where a JAX array belongs.
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from torchjax._convert import SUPPORTED_DTYPES, torch_dtype
 from torchjax._errors import ConversionError, ShardingWarning, warn
-from torchjax._to_jax._callables import DerivedFunction
+from torchjax._to_jax._callables._callables import DerivedFunction
 from torchjax._to_jax._options import Options
 
 _tree = jax.tree_util

@@ -6,7 +6,7 @@
 # once into XLA's output buffer (torch allocates its results itself, so that copy is the
 # one unavoidable one). On GPU torch runs on XLA's stream (ctx.stream), so the work is
 # ordered after XLA's producers and before its consumers with no device-wide synchronize,
-# and an event each way orders it with torch's own current stream (_cuda.py).
+# and an event each way orders it with torch's own current stream (_call/_cuda.py).
 # Where buffer_callback is missing (JAX < 0.6.1) jax.pure_callback is the fallback: it
 # copies inputs and outputs through host numpy arrays.
 from __future__ import annotations
@@ -37,15 +37,15 @@ from torchjax._convert import (
     torch_dtype,
 )
 from torchjax._primitive._core import lowering_is_partitioned
-from torchjax._to_jax._batched_tape import BatchedTapedVjp
-from torchjax._to_jax._call_plan import CallPlan, plan_for, plan_parts
-from torchjax._to_jax._callables import RecordedForward, VjpFunction
-from torchjax._to_jax._callback_errors import as_reported
-from torchjax._to_jax._cuda import on_xla_stream
-from torchjax._to_jax._guard import copy_kept_inputs, refuse_writes
-from torchjax._to_jax._huge_pages import advise, large_outputs
-from torchjax._to_jax._outputs import as_jax_tree
-from torchjax._to_jax._residual import OUTPUT_BUFFERS
+from torchjax._to_jax._call._cuda import on_xla_stream
+from torchjax._to_jax._call._guard import copy_kept_inputs, refuse_writes
+from torchjax._to_jax._call._huge_pages import advise, large_outputs
+from torchjax._to_jax._call._outputs import as_jax_tree
+from torchjax._to_jax._call._plan import CallPlan, plan_for, plan_parts
+from torchjax._to_jax._callables._batched_tape import BatchedTapedVjp
+from torchjax._to_jax._callables._callables import RecordedForward, VjpFunction
+from torchjax._to_jax._torch_call._callback_errors import as_reported
+from torchjax._to_jax._torch_ops._residual import OUTPUT_BUFFERS
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -84,7 +84,7 @@ def write_output(dst: torch.Tensor, value: torch.Tensor, where: str) -> None:
 def _xla_stream(ctx: Any, buf: Any) -> contextlib.AbstractContextManager:
     """Make XLA's stream torch's current stream: torch's kernels then run in XLA's order,
     after the producers of the inputs and before the consumers of the outputs, and in
-    order with the work queued on torch's own current stream (see _cuda.py)."""
+    order with the work queued on torch's own current stream (see _call/_cuda.py)."""
     return on_xla_stream(ctx.stream, buf.__dlpack_device__()[1])
 
 
@@ -155,7 +155,7 @@ def callback_call(
             else:
                 _host(ctx, outs, ins)
         except Exception as e:
-            raise as_reported(e) from None  # (_callback_errors.py)
+            raise as_reported(e) from None  # (_torch_call/_callback_errors.py)
 
     def _host(ctx: Any, outs: list, ins: tuple) -> None:
         nonlocal on_cpu
@@ -166,7 +166,7 @@ def callback_call(
                 return host(ctx, outs, *ins)
         if any_autocast():
             # Likewise in torch.autocast: the function runs in the state it was traced in
-            # (_autocast.py), not in the one where the compiled function runs.
+            # (_torch_ops/_autocast.py), not in the one where the compiled function runs.
             with autocast_as(()):
                 return host(ctx, outs, *ins)
         if on_cpu is None:
@@ -183,7 +183,7 @@ def callback_call(
 
     if plan is not None and plan.plain and not share_outputs:
         host = _plain_host(plan, host)
-    large = large_outputs(out_structs)  # on the CPU, huge pages for them (_huge_pages.py)
+    large = large_outputs(out_structs)  # on the CPU, huge pages for them (_call/_huge_pages.py)
     callback = _advising(host, large) if large else host  # (_host's recursion: not twice)
     return buffer_callback(callback, list(out_structs), has_side_effect=draws)(*operands)
 
@@ -235,7 +235,7 @@ def _plain_host(plan: CallPlan, host: Callable) -> Callable:
                     copy_kept_inputs(tensors)
                     break
         except Exception as e:
-            raise as_reported(e) from None  # (_callback_errors.py)
+            raise as_reported(e) from None  # (_torch_call/_callback_errors.py)
 
     return plain_host
 
@@ -282,7 +282,7 @@ def _plain_host_one(plan: CallPlan, host: Callable) -> Callable:
                 del t  # copy_kept_inputs counts the references to each input
                 copy_kept_inputs(tensors)
         except Exception as e:
-            raise as_reported(e) from None  # (_callback_errors.py)
+            raise as_reported(e) from None  # (_torch_call/_callback_errors.py)
 
     return plain_host
 
@@ -363,7 +363,7 @@ def _pure_callback_call(run, operands, out_structs, out_paths, draws=False):
                     results.append(dst.numpy())
             return results
         except Exception as e:
-            raise as_reported(e) from None  # (_callback_errors.py)
+            raise as_reported(e) from None  # (_torch_call/_callback_errors.py)
 
     if draws:  # not pure: two calls on the same inputs draw twice (see callback_call)
         return io_callback(host, list(out_structs), *operands, ordered=False)

@@ -1,6 +1,6 @@
 # Per-example gradients from one forward: jax.vmap of the reverse-mode split.
 #
-# jax.vmap(jax.value_and_grad(f)) batches both halves of the split (_rule_partial_eval.py):
+# jax.vmap(jax.value_and_grad(f)) batches both halves of the split (_torch_call/_partial_eval.py):
 # the forward (a RecordedForward) and its VJP. Batched as any call, the forward runs under
 # torch.func.vmap, which cannot keep a graph, and the VJP recomputes it: two forwards where
 # torch.func.vmap(torch.func.grad_and_value(f)) runs one. Instead the batched forward is
@@ -38,8 +38,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from torchjax._compat._torch import custom_function_call
-from torchjax._to_jax._autograd import outermost
-from torchjax._to_jax._callables import (
+from torchjax._to_jax._callables._callables import (
     BatchedFunction,
     DerivedFunction,
     RecordedForward,
@@ -47,7 +46,8 @@ from torchjax._to_jax._callables import (
     unbatched_residual,
 )
 from torchjax._to_jax._options import Options
-from torchjax._to_jax._residual import (
+from torchjax._to_jax._torch_ops._autograd import outermost
+from torchjax._to_jax._torch_ops._residual import (
     GRAPHS,
     OUTPUT_BUFFERS,
     KeptGraph,
@@ -59,7 +59,7 @@ from torchjax._to_jax._residual import (
     rng_state,
     take_held,
 )
-from torchjax._to_jax._vmap import as_tensor
+from torchjax._to_jax._torch_ops._vmap import as_tensor
 
 _tree = jax.tree_util
 

@@ -2,7 +2,7 @@
 # half apart from its tangent half.
 #
 # The JVP rule binds JvpFunction(fn, with_primals=True): one torch.func.jvp computes the
-# outputs and their tangents (_rule_jvp.py). That is all jax.jvp needs. Three places need
+# outputs and their tangents (_torch_call/_jvp.py). That is all jax.jvp needs. Three places need
 # the halves apart, as fn(primals) and the linear JvpFunction(fn)(primals, tangents):
 #   * Partial evaluation with known primals and unknown tangents (linearize, grad, the
 #     autodiff of scan, cond, while, jit and shard_map bodies): the primal half must run
@@ -17,7 +17,7 @@
 #     graph for the VJP, and the linear half is bound on the tangent trace.
 # The JVP of a VJP in its cotangents, VjpFunction(with_tangents=True), splits in the first
 # two places the same way: the pullback of the cotangents now, that of their tangents staged.
-# (vmap over tangents only is split by the batching rule, _rule_batching.py.) Any other case
+# (vmap over tangents only is split by the batching rule, _torch_call/_batching.py.) Any other case
 # (a primal unknown too, everything known) is treated whole.
 from __future__ import annotations
 
@@ -39,10 +39,10 @@ from torchjax._compat._jax import (
 )
 from torchjax._compat._jax import partial_eval as pe
 from torchjax._primitive._params import ARRAY, as_operands, rebuild
-from torchjax._to_jax._autograd import inexact
-from torchjax._to_jax._callables import JvpFunction, RecordedForward, VjpFunction
-from torchjax._to_jax._rule_jvp import differentiated
-from torchjax._to_jax._torch_call import torch_call_p
+from torchjax._to_jax._callables._callables import JvpFunction, RecordedForward, VjpFunction
+from torchjax._to_jax._torch_call._jvp import differentiated
+from torchjax._to_jax._torch_call._primitive import torch_call_p
+from torchjax._to_jax._torch_ops._autograd import inexact
 
 _prim = torch_call_p.primitive
 
@@ -97,7 +97,7 @@ def _pullback_pair(params: tuple) -> VjpFunction | None:
 @dataclasses.dataclass(frozen=True)
 class _PairHalves:
     """How a pullback pair's call ``(*points, cotangents, more)`` (the JVP of a VJP in its
-    cotangents, _rule_jvp.py) splits into its two pullbacks, which is exact since a VJP is
+    cotangents, _torch_call/_jvp.py) splits into its two pullbacks, which is exact since a VJP is
     linear in its cotangents: ``(*points, cotangents)``, its outputs, and ``(*points,
     more)``, its tangents, linear in `more`. Operands are numbered as the call's are."""
 

@@ -48,7 +48,9 @@ from torchjax._convert import (
 )
 from torchjax._errors import ConversionError
 from torchjax._primitive._params import ARRAY, eager_type, store
-from torchjax._to_jax._call_plan import (
+from torchjax._to_jax._call._guard import owns_memory_alone
+from torchjax._to_jax._call._outputs import as_jax_tree
+from torchjax._to_jax._call._plan import (
     CallPlan,
     fake_output_error,
     number_tensor,
@@ -56,11 +58,13 @@ from torchjax._to_jax._call_plan import (
     plan_for,
     to_jax_outputs,
 )
-from torchjax._to_jax._callables import UserFunction, types_key
-from torchjax._to_jax._fake_run import fake_runs, output_struct, real_mode
-from torchjax._to_jax._guard import owns_memory_alone
-from torchjax._to_jax._outputs import as_jax_tree
-from torchjax._to_jax._rule_abstract_eval import DTYPES_OK, check_input_dtype, check_no_tensor
+from torchjax._to_jax._callables._callables import UserFunction, types_key
+from torchjax._to_jax._fake._run import fake_runs, output_struct, real_mode
+from torchjax._to_jax._torch_call._abstract_eval import (
+    DTYPES_OK,
+    check_input_dtype,
+    check_no_tensor,
+)
 
 _SingleDevice = jax.sharding.SingleDeviceSharding
 _tree = jax.tree_util
@@ -401,7 +405,7 @@ def _impl_in_plain_mode(operands, in_tree, statics, signature, params) -> list:
     for the in-place check; the outputs are ordinary arrays either way) and outside an
     enclosing fake run (a wrapped function calling another one while its types are found:
     the inner call has real data and runs for real), and with autocast off (a function
-    called in autocast runs its own state: _autocast.py)."""
+    called in autocast runs its own state: _torch_ops/_autocast.py)."""
     with real_mode(), torch.inference_mode(False), autocast_as(()):
         depth, fake_runs.depth = fake_runs.depth, 0
         try:

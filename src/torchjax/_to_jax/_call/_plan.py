@@ -2,7 +2,7 @@
 #
 # A plan is built once per signature (function, argument structure, static leaves, output
 # types): once per jit lowering, and kept in the signature's memo for eager calls. A call
-# then only fills in tensors, runs fn behind the in-place guard (_guard.py), and checks the
+# then only fills in tensors, runs fn behind the in-place guard (_call/_guard.py), and checks the
 # outputs against the declared or inferred types. The eager impl and the jit callback share
 # it, so both see the same checks and the same errors. A little over 400 lines: the plan's
 # construction and its hot call path are kept together, since every check the call makes
@@ -46,15 +46,15 @@ from torchjax._errors import (
     warn,
 )
 from torchjax._primitive._params import ARRAY, is_operand
-from torchjax._to_jax._cuda import gpu_oom_note
-from torchjax._to_jax._guard import (
+from torchjax._to_jax._call._cuda import gpu_oom_note
+from torchjax._to_jax._call._guard import (
     check_versions,
     inplace_error,
     owns_memory_alone,
     refuse_writes,
     same_bytes,
 )
-from torchjax._to_jax._outputs import as_jax_tree
+from torchjax._to_jax._call._outputs import as_jax_tree
 
 _tree = jax.tree_util
 _version = tensor_version
@@ -159,7 +159,7 @@ class CallPlan:
         """fn on `tensors`, as it returns; raises as __call__ does, before any output check.
 
         `tensors` are fresh (version 0), made for this call. Their storages refuse writes
-        during it (see _guard.py): a refusal runs fn again on copies, and a copy that
+        during it (see _call/_guard.py): a refusal runs fn again on copies, and a copy that
         changed is an InPlaceMutationError; a version counter that moved all the same is an
         in-place view op (t_), rejected too. A derived call that torch.func refuses because
         the function runs torch.autograd itself runs again, and from then on, with

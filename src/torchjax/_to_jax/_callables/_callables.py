@@ -37,8 +37,9 @@
 # only the user's function is ever fake-run, once per signature.
 #
 # This module is over 400 lines by design: every callable, and so how every transform is
-# computed in torch, reads in one place. What they share lives beside it: _autograd.py
-# (pullbacks, tape nodes), _vmap.py (torch.func.vmap's steps), _residual.py (kept graphs).
+# computed in torch, reads in one place. What they share lives beside it: _torch_ops/_autograd.py
+# (pullbacks, tape nodes), _torch_ops/_vmap.py (torch.func.vmap's steps),
+# _torch_ops/_residual.py (kept graphs).
 from __future__ import annotations
 
 import dataclasses
@@ -79,8 +80,19 @@ from torchjax._errors import (
     VmapError,
 )
 from torchjax._primitive._params import store
-from torchjax._to_jax._autocast import InAutocast
-from torchjax._to_jax._autograd import (
+from torchjax._to_jax._call._outputs import as_jax_tree
+from torchjax._to_jax._call._plan import INT32_NOTE, autograd_inside, leaf_paths
+from torchjax._to_jax._fake._run import (
+    default_torch_device,
+    fake_eval,
+    fake_target,
+    function_name,
+    owner_classes,
+)
+from torchjax._to_jax._options import Options
+from torchjax._to_jax._torch_call._primitive import torch_call_p
+from torchjax._to_jax._torch_ops._autocast import InAutocast
+from torchjax._to_jax._torch_ops._autograd import (
     AUTODIFF_HINT,
     AUTOGRAD_HINT,
     FORWARD_AD_HINT,
@@ -95,17 +107,7 @@ from torchjax._to_jax._autograd import (
     outermost,
     stack_batch,
 )
-from torchjax._to_jax._call_plan import INT32_NOTE, autograd_inside, leaf_paths
-from torchjax._to_jax._fake_run import (
-    default_torch_device,
-    fake_eval,
-    fake_target,
-    function_name,
-    owner_classes,
-)
-from torchjax._to_jax._options import Options
-from torchjax._to_jax._outputs import as_jax_tree
-from torchjax._to_jax._residual import (
+from torchjax._to_jax._torch_ops._residual import (
     GRAPHS,
     OUTPUT_BUFFERS,
     KeptGraph,
@@ -118,8 +120,7 @@ from torchjax._to_jax._residual import (
     rng_state_size,
     take_held,
 )
-from torchjax._to_jax._torch_call import torch_call_p
-from torchjax._to_jax._vmap import (
+from torchjax._to_jax._torch_ops._vmap import (
     MODULE_RANDOMNESS_HINT,
     RANDOMNESS_HINT,
     VMAP_HINT,
@@ -160,7 +161,7 @@ class UserFunction:
     batched_outputs: dict = dataclasses.field(default_factory=dict, repr=False)
     # What its fake runs saw besides types: "draws", whether it draws random numbers from a
     # generator its inputs do not seed (then jax.checkpoint saves its outputs rather than
-    # recompute them with other draws: _rule_partial_eval.py).
+    # recompute them with other draws: _torch_call/_partial_eval.py).
     facts: dict = dataclasses.field(default_factory=dict, repr=False)
     # torch.autocast's state where the call was made or traced (_compat's autocast_state),
     # which torch runs fn in: a call traced in autocast runs in it, one traced outside runs
@@ -855,7 +856,7 @@ class JvpFunction(_Derivative):
     With ``with_primals`` it returns inner's outputs too, flat and first: ``(*outputs,
     *tangents)``, from the one torch.func.jvp that computes both. The JVP rule binds that
     form; where JAX needs the halves apart (linearize, grad, checkpoint, jacfwd), the
-    rules in _rule_partial_eval.py split it back into the primal call and the linear form.
+    rules in _torch_call/_partial_eval.py split it back into the primal call and the linear form.
 
     ``taped``: the linear form that follows a RecordedForward, called as ``(primals,
     residuals, tangents)`` with that call's residuals; it replays the forward's random
@@ -1027,10 +1028,10 @@ class VjpFunction(_Derivative):
 @dataclasses.dataclass(frozen=True)
 class RecordedForward(_Derivative):
     """``(*primals) -> (*inner's flat outputs, handle, rng_state)``: the primal half of a
-    call that reverse mode splits (_rule_partial_eval.py), run with autograd recording on the
+    call that reverse mode splits (_torch_call/_partial_eval.py), run with autograd recording on the
     `wrt` leaves. The graph is kept under `handle` (0: none kept, e.g. under a torch.func
     transform) for the VJP to pull back through; `rng_state` is torch's generator state
-    from before the forward, for a VJP that must recompute. See _residual.py.
+    from before the forward, for a VJP that must recompute. See _torch_ops/_residual.py.
     """
 
     inner: Any

@@ -2,7 +2,7 @@
 #
 # The rule binds JvpFunction(fn, with_primals=True): one torch.func.jvp gives the outputs and
 # their tangents, which is all jax.jvp needs. Where JAX needs the halves apart (linearize,
-# grad, checkpoint, jacfwd), _rule_partial_eval.py and _rule_batching.py split that call.
+# grad, checkpoint, jacfwd), _partial_eval.py and _batching.py split that call.
 # Symbolic-zero tangents and integer inputs are left out of `wrt`; integer outputs get zero
 # (float0) tangents. Leaves are addressed by their index among the flat leaves of the
 # positional args (`wrt`), outputs by a mask over the flat output leaves (`out_mask`).
@@ -14,10 +14,10 @@ from typing import Any
 import jax
 
 from torchjax._primitive._params import is_operand
-from torchjax._to_jax._autograd import inexact
-from torchjax._to_jax._callables import JvpFunction, VjpFunction
+from torchjax._to_jax._callables._callables import JvpFunction, VjpFunction
 from torchjax._to_jax._options import Options
-from torchjax._to_jax._torch_call import torch_call_p
+from torchjax._to_jax._torch_call._primitive import torch_call_p
+from torchjax._to_jax._torch_ops._autograd import inexact
 
 _tree = jax.tree_util
 
@@ -56,7 +56,7 @@ def _jvp_of_pullback(primals: tuple, ct_dots: tuple, fn: VjpFunction, options: O
     """A VJP differentiated with respect to its cotangents alone, in which it is linear:
     its tangent is the same VJP of the cotangents' tangents. Both come from one call that
     runs the forward once and pulls back both (VjpFunction.pair); batched over the
-    tangents alone (jax.jacfwd), it splits again (_rule_partial_eval.py)."""
+    tangents alone (jax.jacfwd), it splits again (_torch_call/_partial_eval.py)."""
     *points, cts = primals
     if all(t is None for t in ct_dots):
         return torch_call_p.bind(*primals, fn=fn, options=options), None

@@ -1,0 +1,1 @@
+"""One real call: the plan, the in-place guard, outputs, devices and streams."""

@@ -1,0 +1,1 @@
+"""What torch computes: the user's function and the callables derived from it."""

@@ -1,0 +1,1 @@
+"""Fake runs: the run on FakeTensors, isolation of user state, snapshots."""

@@ -1,0 +1,1 @@
+"""Torch-side building blocks: autograd, vmap, kept graphs, random state, autocast."""
