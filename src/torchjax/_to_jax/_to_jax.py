@@ -17,8 +17,8 @@ from torchjax._convert import is_array
 from torchjax._errors import ArgumentError, StaticArgumentError
 from torchjax._to_jax._callables._callables import UserFunction
 from torchjax._to_jax._options import GradMethod, Options, VmapMethod, VmapRandomness
+from torchjax._to_jax._torch_call import torch_call_p
 from torchjax._to_jax._torch_call._impl import MISS
-from torchjax._to_jax._torch_call._primitive import torch_call_p
 
 
 def _raise_unhashable(user: UserFunction, args: tuple, kwargs: dict) -> None:

@@ -42,10 +42,10 @@ from torchjax._to_jax._callables._callables import (
     BatchedFunction,
     DerivedFunction,
     RecordedForward,
+    TypesOf,
     VjpFunction,
     unbatched_residual,
 )
-from torchjax._to_jax._options import Options
 from torchjax._to_jax._torch_ops._autograd import outermost
 from torchjax._to_jax._torch_ops._residual import (
     GRAPHS,
@@ -195,8 +195,8 @@ class BatchedRecordedForward(DerivedFunction):
             outs = _tree.tree_leaves(self._batched()(*primals))
         return (*[as_tensor(o, device) for o in outs], _handle(0, device), state)
 
-    def out_types(self, options: Options, *primals: Any) -> tuple:
-        out = self._batched().out_types(options, *primals)
+    def out_types(self, types_of: TypesOf, *primals: Any) -> tuple:
+        out = self._batched().out_types(types_of, *primals)
         return (*_tree.tree_leaves(out), *RecordedForward.residual_types())
 
     def call_failure(self, error: Exception, in_tree: Any = None) -> Exception:
@@ -261,8 +261,8 @@ class BatchedTapedVjp(DerivedFunction):
             return None
         return graph
 
-    def out_types(self, options: Options, *args: Any) -> Any:
-        return self._batched().out_types(options, *args)
+    def out_types(self, types_of: TypesOf, *args: Any) -> Any:
+        return self._batched().out_types(types_of, *args)
 
     def call_failure(self, error: Exception, in_tree: Any = None) -> Exception:
         return self._batched().call_failure(error, in_tree)

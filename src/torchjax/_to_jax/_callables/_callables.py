@@ -89,8 +89,6 @@ from torchjax._to_jax._fake._run import (
     function_name,
     owner_classes,
 )
-from torchjax._to_jax._options import Options
-from torchjax._to_jax._torch_call._primitive import torch_call_p
 from torchjax._to_jax._torch_ops._autocast import InAutocast
 from torchjax._to_jax._torch_ops._autograd import (
     AUTODIFF_HINT,
@@ -216,8 +214,8 @@ class UserFunction:
         head = "args" if path[0].idx == 0 else "kwargs"
         return head + _tree.keystr(tuple(path[1:]))
 
-    def out_types(self, options: Options, args: tuple, kwargs: dict) -> Any:
-        del options
+    def out_types(self, types_of: TypesOf, args: tuple, kwargs: dict) -> Any:
+        del types_of
         spec = self.result_shape_dtypes
         if callable(spec):
             to_struct = lambda x: (
@@ -435,6 +433,12 @@ def _aval(x: Any) -> Any:
     return x if isinstance(x, jax.core.ShapedArray | jax.ShapeDtypeStruct) else jax.typeof(x)
 
 
+# types_of(fn, *args): the output types of fn(*args) under the call's options. The abstract
+# eval rule hands it to out_types, so callables find their inner function's types without
+# knowing the primitive that computes them.
+TypesOf = Callable[..., Any]
+
+
 # -- what derived callables share -------------------------------------------------------
 class DerivedFunction:
     """Base of the torch callables a transformation derives from another one, `inner`.
@@ -466,7 +470,7 @@ class DerivedFunction:
     def arg_path(self, path: tuple) -> str:
         return self.inner.arg_path(path)
 
-    def out_types(self, options: Options, *args: Any) -> Any:
+    def out_types(self, types_of: TypesOf, *args: Any) -> Any:
         raise NotImplementedError
 
     def call_failure(self, error: Exception, in_tree: Any = None) -> Exception:
@@ -780,7 +784,7 @@ class BatchedFunction(DerivedFunction):
 
         return watched
 
-    def out_types(self, options: Options, *args: Any) -> Any:
+    def out_types(self, types_of: TypesOf, *args: Any) -> Any:
         leaves, tree = _tree.tree_flatten(args)
         dims = iter(self.in_dims)
         size, unbatched = None, []
@@ -790,9 +794,7 @@ class BatchedFunction(DerivedFunction):
                 size = x.shape[d]
                 x = jax.ShapeDtypeStruct(x.shape[:d] + x.shape[d + 1 :], x.dtype)
             unbatched.append(x)
-        inner = torch_call_p.abstract_eval(
-            *_tree.tree_unflatten(tree, unbatched), fn=self.inner, options=options
-        )
+        inner = types_of(self.inner, *_tree.tree_unflatten(tree, unbatched))
         structs, out_tree = _tree.tree_flatten(inner)
         dims = self.out_dims or (0,) * len(structs)
         return _tree.tree_unflatten(
@@ -834,17 +836,15 @@ class LeadingAxisFunction(DerivedFunction):
     def __call__(self, *args: Any) -> Any:
         return self.inner(*args)
 
-    def out_types(self, options: Options, *args: Any) -> Any:
+    def out_types(self, types_of: TypesOf, *args: Any) -> Any:
         if self.root.result_shape_dtypes is None:
             # Found types describe what fn does with these very inputs, batch axis and all.
-            return torch_call_p.abstract_eval(*args, fn=self.inner, options=options)
+            return types_of(self.inner, *args)
         leaves, tree = _tree.tree_flatten(args)
         unbatched = [
             jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if is_abstract(x) else x for x in leaves
         ]
-        inner = torch_call_p.abstract_eval(
-            *_tree.tree_unflatten(tree, unbatched), fn=self.inner, options=options
-        )
+        inner = types_of(self.inner, *_tree.tree_unflatten(tree, unbatched))
         return _tree.tree_map(lambda s: jax.ShapeDtypeStruct((self.size, *s.shape), s.dtype), inner)
 
 
@@ -898,9 +898,9 @@ class JvpFunction(_Derivative):
         merged = [next(done) if m else next(others) for m in self.out_mask]
         return (*merged, *t_outs)
 
-    def out_types(self, options: Options, primals: tuple, *rest: tuple) -> tuple:
+    def out_types(self, types_of: TypesOf, primals: tuple, *rest: tuple) -> tuple:
         del rest
-        out = torch_call_p.abstract_eval(*primals, fn=self.inner, options=options)
+        out = types_of(self.inner, *primals)
         every = _tree.tree_leaves(out)
         masked = tuple(s for s, m in zip(every, self.out_mask, strict=True) if m)
         return (*every, *masked) if self.with_primals else masked
@@ -1014,8 +1014,8 @@ class VjpFunction(_Derivative):
             grads = vmap_call(lambda *c: tuple(pullback(c)), list(flat), (0,) * len(flat), "error")
         return tuple(gr.reshape(*lead, *gr.shape[1:]) for gr in grads)
 
-    def out_types(self, options: Options, primals: tuple, *rest: tuple) -> tuple:
-        del options
+    def out_types(self, types_of: TypesOf, primals: tuple, *rest: tuple) -> tuple:
+        del types_of
         cotangents = rest[-2] if self.with_tangents else rest[-1]
         leaves = _tree.tree_leaves(primals)
         lead = batch_sizes([c.shape for c in cotangents], self.ct_batch)
@@ -1098,8 +1098,8 @@ class RecordedForward(_Derivative):
         graph.outputs = [next(found) if m else None for m in self.out_mask]
         return masked, rest, graph
 
-    def out_types(self, options: Options, *primals: Any) -> tuple:
-        out = torch_call_p.abstract_eval(*primals, fn=self.inner, options=options)
+    def out_types(self, types_of: TypesOf, *primals: Any) -> tuple:
+        out = types_of(self.inner, *primals)
         return (*_tree.tree_leaves(out), *self.residual_types())
 
     @staticmethod

@@ -6,6 +6,7 @@
 # has no equivalent of, a torch tensor where a JAX array belongs.
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -15,6 +16,7 @@ from torchjax._convert import SUPPORTED_DTYPES, torch_dtype
 from torchjax._errors import ConversionError, ShardingWarning, warn
 from torchjax._to_jax._callables._callables import DerivedFunction
 from torchjax._to_jax._options import Options
+from torchjax._to_jax._torch_call._primitive import torch_call_p
 
 _tree = jax.tree_util
 
@@ -41,12 +43,20 @@ def abstract_eval(*args: Any, fn: Any, options: Options) -> Any:
         if isinstance(leaf, jax.core.ShapedArray) and leaf.dtype not in DTYPES_OK:
             check_input_dtype(fn.arg_path(path), leaf.dtype)
     if isinstance(fn, DerivedFunction):
-        return fn.out_types(options, *args)
+        return fn.out_types(functools.partial(_types_of, options), *args)
     check_no_tensor(fn, args)
     warn_if_sharded(fn, args)
     if fn.result_shape_dtypes is not None:
-        return fn.out_types(options, *args)
+        return fn.out_types(None, *args)
     return fn.fake_types(args)
+
+
+torch_call_p.def_abstract_eval(abstract_eval)
+
+
+def _types_of(options: Options, fn: Any, *args: Any) -> Any:
+    # The cached abstract eval of an inner function: derived callables' types_of.
+    return torch_call_p.abstract_eval(*args, fn=fn, options=options)
 
 
 SHARDED = """\

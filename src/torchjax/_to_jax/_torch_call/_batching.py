@@ -79,6 +79,9 @@ def batch(args: tuple, axes: tuple, *, fn: Any, options: Any) -> tuple[Any, Any]
     return (*out, *t_out), (*[None] * len(out), *t_axes)
 
 
+torch_call_p.def_batching(batch)
+
+
 def _tensor_in_dims(args: tuple, axes: tuple) -> tuple:
     """One batch axis (or None) per operand leaf of `args`, in flattening order."""
     leaves, tree = _tree.tree_flatten(args)
@@ -132,8 +135,8 @@ def by_method(args: tuple, axes: tuple, *, fn: Any, options: Options) -> tuple[A
     (with "torch.func", the user's function's outputs that depend on no batched input stay
     unbatched: jax.vmap's out_axes=None).
 
-    torch_call_p's batching rule; _partial_eval.py registers it, after taking out one case
-    of the JVP call (tangents batched, primals not).
+    The general case of the batching rule (batch, above, takes out the calls with a kept
+    graph and the JVP and VJP calls batched in one half only).
     """
     leaves, tree = _tree.tree_flatten(args)
     flat_axes = tree.flatten_up_to(axes)

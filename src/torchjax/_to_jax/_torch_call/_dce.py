@@ -36,12 +36,13 @@ from torchjax._to_jax._callables._callables import (
     DerivedFunction,
     JvpFunction,
     RecordedForward,
+    TypesOf,
     VjpFunction,
     device_of,
 )
 from torchjax._to_jax._fake._run import default_torch_device
-from torchjax._to_jax._options import Options
 from torchjax._to_jax._torch_call._partial_eval import torch_call_eqn
+from torchjax._to_jax._torch_call._primitive import torch_call_p
 from torchjax._to_jax._torch_ops._residual import rng_state
 
 # The user's functions a ForwardResiduals has run once (see there).
@@ -73,8 +74,8 @@ class ForwardResiduals(DerivedFunction):
         device = device if device is not None else default_torch_device()  # as the forward
         return torch.tensor(0, dtype=torch.int32, device=device), rng_state(device).to(device)
 
-    def out_types(self, options: Options, *args: Any) -> tuple:
-        del options, args
+    def out_types(self, types_of: TypesOf, *args: Any) -> tuple:
+        del types_of, args
         return RecordedForward.residual_types()
 
 
@@ -96,6 +97,9 @@ def dce(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
             eqn = _tangents_only(used_outputs, eqn, fn)
     kept = {id(v) for v in eqn.invars if isinstance(v, core.Var)}
     return [id(v) in kept for v in original], eqn  # one per operand of the original call
+
+
+torch_call_p.def_dce(dce)
 
 
 def _forward_eqn(used: list[bool], eqn: Any, fn: Any, handle_at: int) -> Any:

@@ -65,6 +65,7 @@ from torchjax._to_jax._torch_call._abstract_eval import (
     check_input_dtype,
     check_no_tensor,
 )
+from torchjax._to_jax._torch_call._primitive import torch_call_p
 
 _SingleDevice = jax.sharding.SingleDeviceSharding
 _tree = jax.tree_util
@@ -113,6 +114,9 @@ def bind_eager(
     return out
 
 
+torch_call_p.def_eager(bind_eager)
+
+
 def types_from_a_real_run(
     values: list, in_tree: Any, statics: tuple, bound: Any, avals: tuple
 ) -> bool:
@@ -129,6 +133,9 @@ def types_from_a_real_run(
     if found is not None:  # under the trace's types too (weak types, an example's slice)
         store(fn.real_types, types_key(_tree.tree_unflatten(in_tree, _fill(statics, avals))), found)
     return True
+
+
+torch_call_p.def_types_from_values(types_from_a_real_run)
 
 
 class HotCall:
@@ -369,6 +376,9 @@ def impl(operands: tuple, *, in_tree: Any, statics: tuple, signature: Any, param
         with torch.cuda.device(tensors[0].device):
             return to_jax_outputs(plan(tensors), plan.out_paths, device)
     return to_jax_outputs(plan(tensors), plan.out_paths, device)
+
+
+torch_call_p.def_flat_impl(impl)
 
 
 def _tensors(operands: Any, plan: CallPlan) -> list[torch.Tensor]:

@@ -52,6 +52,9 @@ def jvp(primals: tuple, tangents: tuple, *, fn: Any, options: Options) -> tuple[
     )
 
 
+torch_call_p.def_jvp(jvp)
+
+
 def _jvp_of_pullback(primals: tuple, ct_dots: tuple, fn: VjpFunction, options: Options) -> tuple:
     """A VJP differentiated with respect to its cotangents alone, in which it is linear:
     its tangent is the same VJP of the cotangents' tangents. Both come from one call that

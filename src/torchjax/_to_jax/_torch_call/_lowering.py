@@ -45,6 +45,7 @@ from torchjax._to_jax._call._plan import CallPlan, plan_for, plan_parts
 from torchjax._to_jax._callables._batched_tape import BatchedTapedVjp
 from torchjax._to_jax._callables._callables import RecordedForward, VjpFunction
 from torchjax._to_jax._torch_call._callback_errors import as_reported
+from torchjax._to_jax._torch_call._primitive import torch_call_p
 from torchjax._to_jax._torch_ops._residual import OUTPUT_BUFFERS
 
 try:
@@ -387,3 +388,6 @@ def lowering(*args: Any, fn: Any, options: Any, signature: Any) -> Any:
     draws = root is not None and root.facts.get("draws", True)
     outs = callback_call(plan.run, operands, plan.structs, plan.out_paths, share, plan, draws)
     return jax.tree_util.tree_unflatten(plan.out_tree, outs)
+
+
+torch_call_p.def_lowering(lowering, signature=True)

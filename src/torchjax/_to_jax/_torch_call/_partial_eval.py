@@ -89,6 +89,9 @@ def partial_eval(trace: pe.JaxprTrace, *tracers: Any, **flat: Any) -> list:
     return [*outs, *tangents]
 
 
+torch_call_p.def_partial_eval(partial_eval)
+
+
 def _pullback_pair(params: tuple) -> VjpFunction | None:
     fn = dict(params)["fn"]
     return fn if isinstance(fn, VjpFunction) and fn.with_tangents else None
@@ -188,6 +191,9 @@ def linearize(
     return out, list(out_mask), None, linearized
 
 
+torch_call_p.def_linearization(linearize)
+
+
 def partial_eval_custom(saveable: Any, unks_in: list, inst_in: list, eqn: Any) -> tuple:
     """partial_eval_jaxpr_custom rule: ``(known eqn, staged eqn, unknown outputs,
     outputs available to the staged part, residuals)``, as JAX's default would give, but
@@ -236,6 +242,9 @@ def partial_eval_custom(saveable: Any, unks_in: list, inst_in: list, eqn: Any) -
     # Recompute: the staged half is the whole call, outputs included.
     unks_out = [False] * n_primal_out + tangent_out
     return primal_eqn, eqn, unks_out, [True] * n_out, residuals
+
+
+torch_call_p.def_partial_eval_custom(partial_eval_custom)
 
 
 def _split_pair_eqn(eqn: Any, pair: VjpFunction, halves: _PairHalves, inst_in: list) -> tuple:

@@ -1,11 +1,12 @@
 # torch_call_p: the one primitive behind every wrapped torch function, and its rules.
 #
 # `torch_call_p.bind(*args, fn=fn, options=options)` means "fn(*args), computed by torch":
-# `fn` is the user's function or one derived from it by a transformation (_callables/_callables.py).
+# `fn` is the user's function or one derived from it by a transformation (_callables/).
 # Because every derived function is again a torch callable bound to this primitive, the
 # rules compose: vmap of grad, hessian, jit of vmap of vmap.
 #
-# This file defines the primitive and registers every rule, one module each:
+# This file defines the primitive and imports no rule: each rule registers itself on the
+# line after its definition, in a module of its own (the package's __init__ imports them):
 #   abstract eval      _torch_call/_abstract_eval.py   output types: declared, fake-run, derived
 #   impl (eager)       _torch_call/_impl.py            DLPack both ways; a real run gives the types
 #   lowering (jit)     _torch_call/_lowering.py        buffer_callback on XLA's buffers
@@ -69,11 +70,36 @@ class TorchCallPrimitive(PytreePrimitive):
         # dropped wrapper leaves nothing in a global cache.
         return params["fn"].root.bound_params
 
+    def __init__(self, name: str):
+        super().__init__(name)
+        self._eager_rule: Any = None
+        self._flat_impl_rule: Any = None
+        self._real_types_rule: Any = None
+
+    def def_eager(self, rule: Any) -> Any:
+        """``rule(primitive, operands, in_tree, statics, bound, x64) -> outputs``: a call
+        with no trace active and no tracer among the operands, its own fast path."""
+        self._eager_rule = rule
+        return rule
+
+    def def_flat_impl(self, rule: Any) -> Any:
+        """``rule(operands, *, in_tree, statics, signature, params) -> flat outputs``: the
+        impl JAX dispatches to, on flat operands (no pytrees rebuilt)."""
+        self._flat_impl_rule = rule
+        return rule
+
+    def def_types_from_values(self, rule: Any) -> Any:
+        """``rule(values, in_tree, statics, bound, avals) -> bool``: where a trace knows its
+        operands' values (eager transforms), find the types by a real run and keep them for
+        the signature; False where it cannot."""
+        self._real_types_rule = rule
+        return rule
+
     def _has_impl(self) -> bool:
         return True
 
     def _bind_eager(self, operands: list, in_tree: Any, statics: tuple, bound: Any) -> Any:
-        return _rule_impl.bind_eager(self, operands, in_tree, statics, bound, jax_config.enable_x64)
+        return self._eager_rule(self, operands, in_tree, statics, bound, jax_config.enable_x64)
 
     def _traced_bind_signature(self, bound, in_tree, statics, avals, operands) -> Any:
         if any(type(d) is not int for a in avals for d in getattr(a, "shape", ())):
@@ -88,12 +114,12 @@ class TorchCallPrimitive(PytreePrimitive):
             values = [example_value(x) for x in operands]
             if not read_a_value(e.__cause__) or any(v is None for v in values):
                 raise
-            if not _rule_impl.types_from_a_real_run(values, in_tree, statics, bound, avals):
+            if not self._real_types_rule(values, in_tree, statics, bound, avals):
                 raise
             return self._signature(bound, in_tree, statics, avals).traced
 
     def _flat_impl(self, operands, *, in_tree, statics, signature, params) -> list:
-        return _rule_impl.impl(
+        return self._flat_impl_rule(
             operands, in_tree=in_tree, statics=statics, signature=signature, params=params
         )
 
@@ -140,24 +166,3 @@ def _the_primitive() -> TorchCallPrimitive:
 # An error in a wrapped call shows the user's frames (their call, their torch code), not
 # torchjax's, wherever JAX filters tracebacks: torchjax is one more layer of JAX to them.
 hide_frames_under(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-# Every rule, registered here and nowhere else. The rule modules bind torch_call_p, so they
-# are imported once it exists.
-from torchjax._to_jax._torch_call import _abstract_eval as _rule_abstract_eval  # noqa: E402
-from torchjax._to_jax._torch_call import _batching as _rule_batching  # noqa: E402
-from torchjax._to_jax._torch_call import _dce as _rule_dce  # noqa: E402
-from torchjax._to_jax._torch_call import _impl as _rule_impl  # noqa: E402
-from torchjax._to_jax._torch_call import _jvp as _rule_jvp  # noqa: E402
-from torchjax._to_jax._torch_call import _lowering as _rule_lowering  # noqa: E402
-from torchjax._to_jax._torch_call import _partial_eval as _rule_partial_eval  # noqa: E402
-from torchjax._to_jax._torch_call import _transpose as _rule_transpose  # noqa: E402
-
-torch_call_p.def_abstract_eval(_rule_abstract_eval.abstract_eval)
-torch_call_p.def_lowering(_rule_lowering.lowering, signature=True)
-torch_call_p.def_batching(_rule_batching.batch)
-torch_call_p.def_jvp(_rule_jvp.jvp)
-torch_call_p.def_transpose(_rule_transpose.transpose)
-torch_call_p.def_partial_eval(_rule_partial_eval.partial_eval)
-torch_call_p.def_partial_eval_custom(_rule_partial_eval.partial_eval_custom)
-torch_call_p.def_linearization(_rule_partial_eval.linearize)
-torch_call_p.def_dce(_rule_dce.dce)

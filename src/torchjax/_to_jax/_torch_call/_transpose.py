@@ -59,6 +59,9 @@ def transpose(cts: Any, *args: Any, fn: Any, options: Options) -> tuple:
     return _transpose_generic(cts, args, fn, options)
 
 
+torch_call_p.def_transpose(transpose)
+
+
 def _has_linear(tree: Any) -> bool:
     return any(isinstance(x, Linear) for x in _tree.tree_leaves(tree))
 

@@ -1,0 +1,154 @@
+"""The package's import graph, read from the sources (ast, nothing imported): no cycles,
+and lower layers never import higher ones (shared/DESIGN.md's layout)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+pytestmark = pytest.mark.core
+
+SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
+
+# Lowest first. A module belongs to the first layer one of whose prefixes it starts with;
+# a module may import its own layer or lower ones.
+LAYERS = [
+    ("torchjax._version", "torchjax._errors", "torchjax.errors", "torchjax._compat"),
+    ("torchjax._convert",),
+    ("torchjax._primitive",),
+    ("torchjax._to_jax._options", "torchjax._to_jax._context"),
+    ("torchjax._to_jax._call",),
+    ("torchjax._to_jax._torch_ops",),
+    ("torchjax._to_jax._fake",),
+    ("torchjax._to_jax._callables",),
+    ("torchjax._to_jax._hot",),
+    ("torchjax._to_jax._torch_call",),
+    ("torchjax._to_jax._to_jax", "torchjax._to_jax"),
+    ("torchjax._module_to_jax", "torchjax._to_torch"),
+    ("torchjax",),
+]
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in (SRC / "torchjax").rglob("*.py"):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
+    """The package modules `name` imports (at any depth of its code), each as the module
+    itself: `from torchjax import errors` is torchjax.errors. Its ancestor packages are
+    left out: Python runs them before the module, whatever it imports."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module
+            subs = [f"{origin}.{a.name}" for a in node.names if f"{origin}.{a.name}" in modules]
+            candidates = subs if len(subs) == len(node.names) else [origin, *subs]
+        else:
+            continue
+        targets.update(c for c in candidates if c in modules)
+    ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    return targets - ancestors - {name}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _layer(name: str) -> int:
+    for i, prefixes in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"{name} is in no layer: add it to LAYERS (and to DESIGN.md's layout)")
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_is_read():
+    graph = _graph()
+    # Known edges, so that a resolver that finds nothing cannot pass the tests below.
+    assert "torchjax._to_jax._torch_call._primitive" in graph["torchjax._to_jax._torch_call._jvp"]
+    assert "torchjax.errors" in graph["torchjax"]
+    assert "torchjax._primitive._core" in graph["torchjax._to_jax._torch_call._primitive"]
+
+
+def test_no_import_cycle():
+    cycles = _cycles(_graph())
+    assert not cycles, f"import cycles in src/torchjax: {cycles}"
+
+
+def test_a_cycle_is_found():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_lower_layers_never_import_higher_ones():
+    wrong = [
+        f"{name} (layer {_layer(name)}) imports {target} (layer {_layer(target)})"
+        for name, targets in sorted(_graph().items())
+        for target in sorted(targets)
+        if _layer(target) > _layer(name)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_primitive_imports_no_rule_and_no_callable():
+    imported = _graph()["torchjax._to_jax._torch_call._primitive"]
+    assert not {m for m in imported if m.startswith("torchjax._to_jax.")}, imported
+
+
+def test_callables_never_import_the_primitive():
+    graph = _graph()
+    wrong = {
+        name: sorted(t for t in targets if t.startswith("torchjax._to_jax._torch_call"))
+        for name, targets in graph.items()
+        if name.startswith("torchjax._to_jax._callables")
+    }
+    assert not any(wrong.values()), wrong
