@@ -1,4 +1,4 @@
-"""Per-example gradients from one forward (_callables/_batched_tape.py): jax.vmap of jax.grad or
+"""Per-example gradients from one forward (_callables/_batched_kept.py): jax.vmap of jax.grad or
 jax.value_and_grad runs the batched forward once, keeping one graph for every example, and
 pulls each example's cotangent back through it: torch.func's matmul count, counted here
 by a dispatch mode, and torch.func's numbers (torch.func.vmap(torch.func.grad_and_value))."""

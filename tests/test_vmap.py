@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import is_fake
 
 import torchjax
-from torchjax._to_jax._callables import _callables as _callables
+from torchjax._to_jax._callables import _batched as _callables
 from torchjax._to_jax._torch_ops import _vmap as _vmap
 from torchjax.errors import ShapeInferenceError, VmapError
 

@@ -165,7 +165,7 @@ def _plain_function_apply(cls: type, args: tuple) -> Any:
 plain_function_apply = None if ABSENT in (_unwrap_dead, _base_apply) else _plain_function_apply
 
 # What autograd.Function.apply calls inside torch.func transforms; a TorchFunctionMode sees
-# it as the function called (_callables/_batched_tape.py watches for it). None where missing.
+# it as the function called (_callables/_batched_kept.py watches for it). None where missing.
 custom_function_call = or_(
     private(
         "torch._functorch.autograd_function.custom_function_call",
@@ -328,7 +328,7 @@ def autocast_as(state: tuple) -> Any:
 
 # Whether a tensor is batched at the innermost vmap level, from inside the vmapped function:
 # which outputs of a batched call stay unbatched (jax.vmap's out_axes=None,
-# _callables/_callables.py).
+# _callables/_batched.py).
 # A wrapper's level says which transform made it; one from an outer level is not batched
 # here. Without these names every output counts as batched (broadcast, as before).
 _NO_UNBATCHED = "every output of a batched call batched (out_axes=None refused)"

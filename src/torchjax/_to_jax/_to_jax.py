@@ -15,7 +15,7 @@ from torchjax._compat._jax import traceback_boundary
 from torchjax._compat._torch import any_autocast, autocast_state
 from torchjax._convert import is_array
 from torchjax._errors import ArgumentError, StaticArgumentError
-from torchjax._to_jax._callables._callables import UserFunction
+from torchjax._to_jax._callables._user import UserFunction
 from torchjax._to_jax._options import GradMethod, Options, VmapMethod, VmapRandomness
 from torchjax._to_jax._torch_call import torch_call_p
 from torchjax._to_jax._torch_call._impl import MISS

@@ -149,11 +149,9 @@ class CallPlan:
         # A vmapped call over an empty batch (every output empty) computes nothing: its
         # outputs are made, not computed (torch.func.vmap fails on many ops with no
         # example to run; under jit XLA gives empty outputs as well).
-        # (A RecordedForward's residuals come last: no graph, no RNG state then.)
-        main = structs[: len(structs) - getattr(fn, "n_residuals", 0)]
-        self.empty_batch = (
-            getattr(fn, "maps_a_batch", False) and bool(main) and all(0 in s.shape for s in main)
-        )
+        # (Residuals come last: no graph, no RNG state then.)
+        main = structs[: len(structs) - fn.n_residuals]
+        self.empty_batch = fn.maps_a_batch and bool(main) and all(0 in s.shape for s in main)
 
     def invoke(self, tensors: list[torch.Tensor]) -> Any:
         """fn on `tensors`, as it returns; raises as __call__ does, before any output check.

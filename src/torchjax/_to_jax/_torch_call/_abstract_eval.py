@@ -14,7 +14,7 @@ import torch
 
 from torchjax._convert import SUPPORTED_DTYPES, torch_dtype
 from torchjax._errors import ConversionError, ShardingWarning, warn
-from torchjax._to_jax._callables._callables import DerivedFunction
+from torchjax._to_jax._callables._base import DerivedFunction
 from torchjax._to_jax._options import Options
 from torchjax._to_jax._torch_call._primitive import torch_call_p
 

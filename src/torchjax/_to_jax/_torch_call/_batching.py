@@ -19,14 +19,10 @@ import jax.numpy as jnp
 
 from torchjax._errors import VmapError
 from torchjax._primitive._params import is_operand
-from torchjax._to_jax._callables._batched_tape import BatchedRecordedForward, BatchedTapedVjp
-from torchjax._to_jax._callables._callables import (
-    BatchedFunction,
-    JvpFunction,
-    LeadingAxisFunction,
-    RecordedForward,
-    VjpFunction,
-)
+from torchjax._to_jax._callables._autodiff import JvpFunction, VjpFunction
+from torchjax._to_jax._callables._batched import BatchedFunction, LeadingAxisFunction
+from torchjax._to_jax._callables._batched_kept import BatchedRecordedForward, BatchedTapedVjp
+from torchjax._to_jax._callables._kept import RecordedForward
 from torchjax._to_jax._options import Options
 from torchjax._to_jax._torch_call._primitive import torch_call_p
 from torchjax._to_jax._torch_ops._vmap import LEADING_AXIS_MESSAGE
@@ -91,7 +87,7 @@ def _tensor_in_dims(args: tuple, axes: tuple) -> tuple:
 
 def _taped_forward(args: tuple, axes: tuple, fn: RecordedForward, options: Options) -> Any:
     """The batched forward that keeps one graph for every example
-    (_callables/_batched_tape.py), where
+    (_callables/_batched_kept.py), where
     it applies: the user's function, batched by torch.func, with every output batched."""
     if options.vmap_method != "torch.func" or options.grad_method == "autograd":
         return None

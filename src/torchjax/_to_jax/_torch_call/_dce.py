@@ -5,7 +5,7 @@
 # a gradient: Hessian-vector products, jax.hessian) has one such forward per call:
 #   * The JVP of a VJP that follows a RecordedForward (a JvpFunction of a VjpFunction with
 #     residuals, maybe batched) recomputes the forward inside torch.func.jvp, where a kept
-#     graph cannot serve (_callables.VjpFunction._after_taped): of the residuals it reads
+#     graph cannot serve (VjpFunction._after_taped): of the residuals it reads
 #     the RNG state only. Its graph-handle operand becomes a literal 0, so it stops being a
 #     use of the handle (it would only have taken the graph out of the store to drop it).
 #   * A RecordedForward whose handle nobody reads keeps no graph (keep_graph=False).
@@ -23,60 +23,18 @@
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any
 
 import numpy as np
-import torch
 
 from torchjax._compat._jax import core, replace_equation
 from torchjax._primitive._params import ARRAY
-from torchjax._to_jax._callables._callables import (
-    BatchedFunction,
-    DerivedFunction,
-    JvpFunction,
-    RecordedForward,
-    TypesOf,
-    VjpFunction,
-    device_of,
-)
-from torchjax._to_jax._fake._run import default_torch_device
+from torchjax._to_jax._callables._autodiff import JvpFunction, VjpFunction
+from torchjax._to_jax._callables._base import layout
+from torchjax._to_jax._callables._batched import BatchedFunction
+from torchjax._to_jax._callables._kept import ForwardResiduals, RecordedForward
 from torchjax._to_jax._torch_call._partial_eval import torch_call_eqn
 from torchjax._to_jax._torch_call._primitive import torch_call_p
-from torchjax._to_jax._torch_ops._residual import rng_state
-
-# The user's functions a ForwardResiduals has run once (see there).
-_WARMED: weakref.WeakSet = weakref.WeakSet()
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardResiduals(DerivedFunction):
-    """``(*args) -> (handle 0, rng_state)``: the residuals `inner` (a RecordedForward that
-    would keep no graph, or the forward inside a JVP's) returns after its outputs, without
-    running it: the generator state it reads before its forward.
-
-    Except the first time for a given user function: then the forward does run, plainly,
-    as the call it stands for would have. Torch code that fills a cache or builds state on
-    its first call would otherwise first run inside the VJP's torch.func transform, and
-    keep a tensor of that transform's level, which fails every later call (it does in
-    torch.func alone, too). Its random draws are then the ones the VJP replays.
-    """
-
-    inner: Any
-
-    def __call__(self, *args: Any) -> tuple:
-        root = self.inner.root
-        if root not in _WARMED:
-            *_, handle, state = dataclasses.replace(self.inner, keep_graph=False)(*args)
-            _WARMED.add(root)
-            return handle, state
-        device = device_of(args)
-        device = device if device is not None else default_torch_device()  # as the forward
-        return torch.tensor(0, dtype=torch.int32, device=device), rng_state(device).to(device)
-
-    def out_types(self, types_of: TypesOf, *args: Any) -> tuple:
-        del types_of, args
-        return RecordedForward.residual_types()
 
 
 def dce(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
@@ -114,8 +72,8 @@ def _forward_eqn(used: list[bool], eqn: Any, fn: Any, handle_at: int) -> Any:
             # them as operands. Left reading the tangents, it would make the residuals
             # depend on them, and a transpose (jax.checkpoint's) would take every later use
             # of the residuals for a linear one.
-            in_tree = in_tree.children()[0]
-            statics = statics[: in_tree.num_leaves]
+            primals = layout(fn, in_tree)["primals"]
+            in_tree, statics = primals.tree, statics[: primals.stop]
             invars = invars[: sum(1 for s in statics if s is ARRAY)]
             fn = fn.inner
         return torch_call_eqn(eqn, invars, residuals, in_tree, statics, ForwardResiduals(fn))
@@ -124,6 +82,12 @@ def _forward_eqn(used: list[bool], eqn: Any, fn: Any, handle_at: int) -> Any:
         in_tree, statics = eqn.params["in_tree"], eqn.params["statics"]
         return torch_call_eqn(eqn, eqn.invars, eqn.outvars, in_tree, statics, lighter)
     return eqn
+
+
+def _differentiated_vjp(fn: Any) -> VjpFunction:
+    while isinstance(fn, BatchedFunction):
+        fn = fn.inner
+    return fn.inner
 
 
 def _differentiates_taped_vjp(fn: Any) -> bool:
@@ -141,7 +105,10 @@ def _without_handle(eqn: Any) -> Any:
     lead its arguments: ``((vjp primals, (handle, rng), cotangents), tangents)``) a
     literal 0."""
     in_tree, statics = eqn.params["in_tree"], eqn.params["statics"]
-    handle_leaf = in_tree.children()[0].children()[0].num_leaves
+    fn = dict(eqn.params["params"])["fn"]
+    vjp_args = layout(fn, in_tree)["primals"]  # batched or not, the JVP's primals lead
+    vjp = _differentiated_vjp(fn)
+    handle_leaf = vjp_args.start + layout(vjp, vjp_args.tree)["residuals"].start
     if statics[handle_leaf] is not ARRAY:
         return eqn
     operand = sum(1 for s in statics[:handle_leaf] if s is ARRAY)

@@ -58,7 +58,8 @@ from torchjax._to_jax._call._plan import (
     plan_for,
     to_jax_outputs,
 )
-from torchjax._to_jax._callables._callables import UserFunction, types_key
+from torchjax._to_jax._callables._base import layout
+from torchjax._to_jax._callables._user import UserFunction, types_key
 from torchjax._to_jax._fake._run import fake_runs, output_struct, real_mode
 from torchjax._to_jax._torch_call._abstract_eval import (
     DTYPES_OK,
@@ -110,7 +111,7 @@ def bind_eager(
         )
         out = _tree.tree_unflatten(signature.out_tree, out_flat)
     if bound.hot is None or bound.hot.signature is not signature:
-        bound.hot = HotCall.of(operands, in_tree, statics, x64, signature)
+        bound.hot = HotCall.of(operands, in_tree, statics, x64, signature, bound)
     return out
 
 
@@ -151,14 +152,14 @@ class HotCall:
     __slots__ = ("signature", "call")
 
     @staticmethod
-    def of(operands: list, in_tree: Any, statics: tuple, x64: Any, signature: Any):
+    def of(operands: list, in_tree: Any, statics: tuple, x64: Any, signature: Any, bound: Any):
         """The HotCall of this eager call, or None where it has another form."""
         n = len(operands)
         if _export is None or len(statics) != n:
             return None  # static leaves
-        parts = in_tree.children()  # bind's (args, kwargs)
-        if len(parts) != 2 or parts[1] != _NO_KWARGS:
-            return None  # keyword arguments
+        parts = layout(dict(bound.items)["fn"], in_tree)
+        if "kwargs" not in parts or parts["kwargs"].tree != _NO_KWARGS:
+            return None  # keyword arguments, or not the user's function
         if trace_context is None:
             return None  # whether a trace is active is unknown: JAX dispatches every call
         for x in operands:
@@ -173,7 +174,7 @@ class HotCall:
         hot = HotCall()
         hot.signature = signature
         call = _hot_call(tuple(x.aval for x in operands), x64, plan, signature, in_tree, statics)
-        hot.call = call if in_tree == _positional(n) else _flattening(call, parts[0])
+        hot.call = call if in_tree == _positional(n) else _flattening(call, parts["args"].tree)
         return hot
 
 

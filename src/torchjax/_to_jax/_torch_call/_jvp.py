@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from torchjax._primitive._params import is_operand
-from torchjax._to_jax._callables._callables import JvpFunction, VjpFunction
+from torchjax._to_jax._callables._autodiff import JvpFunction, VjpFunction
 from torchjax._to_jax._options import Options
 from torchjax._to_jax._torch_call._primitive import torch_call_p
 from torchjax._to_jax._torch_ops._autograd import inexact

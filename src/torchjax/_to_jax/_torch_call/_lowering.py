@@ -42,8 +42,9 @@ from torchjax._to_jax._call._guard import copy_kept_inputs, refuse_writes
 from torchjax._to_jax._call._huge_pages import advise, large_outputs
 from torchjax._to_jax._call._outputs import as_jax_tree
 from torchjax._to_jax._call._plan import CallPlan, plan_for, plan_parts
-from torchjax._to_jax._callables._batched_tape import BatchedTapedVjp
-from torchjax._to_jax._callables._callables import RecordedForward, VjpFunction
+from torchjax._to_jax._callables._autodiff import VjpFunction
+from torchjax._to_jax._callables._batched_kept import BatchedTapedVjp
+from torchjax._to_jax._callables._kept import RecordedForward
 from torchjax._to_jax._torch_call._callback_errors import as_reported
 from torchjax._to_jax._torch_call._primitive import torch_call_p
 from torchjax._to_jax._torch_ops._residual import OUTPUT_BUFFERS

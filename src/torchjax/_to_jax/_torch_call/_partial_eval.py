@@ -39,7 +39,9 @@ from torchjax._compat._jax import (
 )
 from torchjax._compat._jax import partial_eval as pe
 from torchjax._primitive._params import ARRAY, as_operands, rebuild
-from torchjax._to_jax._callables._callables import JvpFunction, RecordedForward, VjpFunction
+from torchjax._to_jax._callables._autodiff import JvpFunction, VjpFunction
+from torchjax._to_jax._callables._base import layout
+from torchjax._to_jax._callables._kept import RecordedForward
 from torchjax._to_jax._torch_call._jvp import differentiated
 from torchjax._to_jax._torch_call._primitive import torch_call_p
 from torchjax._to_jax._torch_ops._autograd import inexact
@@ -52,10 +54,9 @@ def _combined(params: tuple) -> JvpFunction | None:
     return fn if isinstance(fn, JvpFunction) and fn.with_primals else None
 
 
-def _primal_operand_count(in_tree: Any, statics: tuple) -> int:
-    """How many operands belong to the primals: the call's args are (primals, tangents)."""
-    primal_leaves = in_tree.children()[0].num_leaves
-    return sum(1 for s in statics[:primal_leaves] if s is ARRAY)
+def _primal_operand_count(fn: JvpFunction, in_tree: Any, statics: tuple) -> int:
+    """How many operands belong to the primals (which lead the call's arguments)."""
+    return layout(fn, in_tree)["primals"].operands(statics)[1]
 
 
 def partial_eval(trace: pe.JaxprTrace, *tracers: Any, **flat: Any) -> list:
@@ -68,10 +69,10 @@ def partial_eval(trace: pe.JaxprTrace, *tracers: Any, **flat: Any) -> list:
     known = [is_known(t) for t in tracers]
     pair = _pullback_pair(flat["params"])
     if pair is not None:
-        halves = _pair_halves(in_tree, statics)
+        halves = _pair_halves(pair, in_tree, statics)
         if all(known[: halves.n_known]) and not all(known):
             return _split_pair(trace, pair, halves, tracers, dict(flat["params"])["options"])
-    n_primal = _primal_operand_count(in_tree, statics) if fn else 0
+    n_primal = _primal_operand_count(fn, in_tree, statics) if fn else 0
     if fn is None or all(known) or not all(known[:n_primal]):
         return process_by_default(trace, _prim, tracers, flat)
     options = dict(flat["params"])["options"]
@@ -112,19 +113,17 @@ class _PairHalves:
     staged_statics: tuple
 
 
-def _pair_halves(in_tree: Any, statics: tuple) -> _PairHalves:
-    kids = in_tree.children()
-    n_more = kids[-1].num_leaves
-    n_points_leaves = len(statics) - n_more - kids[-2].num_leaves
-    known_statics = statics[: len(statics) - n_more]
-    staged_statics = (*statics[:n_points_leaves], *statics[len(statics) - n_more :])
+def _pair_halves(pair: VjpFunction, in_tree: Any, statics: tuple) -> _PairHalves:
+    parts = layout(pair, in_tree)
+    cts, more = parts.pop("cotangents"), parts.pop("ct_tangents")
+    points = [p.tree for p in parts.values()]  # the primals (and residuals)
     return _PairHalves(
-        known_tree=_tree_tuple(kids[:-1]),
-        known_statics=known_statics,
-        n_known=sum(1 for s in known_statics if s is ARRAY),
-        n_points=sum(1 for s in statics[:n_points_leaves] if s is ARRAY),
-        staged_tree=_tree_tuple([*kids[:-2], kids[-1]]),
-        staged_statics=staged_statics,
+        known_tree=_tree_tuple([*points, cts.tree]),
+        known_statics=statics[: more.start],
+        n_known=more.operands(statics)[0],
+        n_points=cts.operands(statics)[0],
+        staged_tree=_tree_tuple([*points, more.tree]),
+        staged_statics=(*statics[: cts.start], *statics[more.start :]),
     )
 
 
@@ -208,10 +207,10 @@ def partial_eval_custom(saveable: Any, unks_in: list, inst_in: list, eqn: Any) -
         return eqn, eqn, [False] * n_out, [True] * n_out, residuals
     pair = _pullback_pair(eqn.params["params"])
     if pair is not None:
-        halves = _pair_halves(eqn.params["in_tree"], eqn.params["statics"])
+        halves = _pair_halves(pair, eqn.params["in_tree"], eqn.params["statics"])
         if not any(unks_in[: halves.n_known]):
             return _split_pair_eqn(eqn, pair, halves, inst_in)
-    n_primal = _primal_operand_count(eqn.params["in_tree"], eqn.params["statics"]) if fn else 0
+    n_primal = _primal_operand_count(fn, eqn.params["in_tree"], eqn.params["statics"]) if fn else 0
     if fn is None or any(unks_in[:n_primal]):
         return None, eqn, [True] * n_out, [True] * n_out, residuals
     n_primal_out = len(fn.out_mask)

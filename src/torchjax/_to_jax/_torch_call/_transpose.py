@@ -14,7 +14,8 @@ import numpy as np
 
 from torchjax._errors import AutodiffError
 from torchjax._primitive._params import Linear
-from torchjax._to_jax._callables._callables import JvpFunction, VjpFunction, ZerosLike
+from torchjax._to_jax._callables._autodiff import JvpFunction, VjpFunction
+from torchjax._to_jax._callables._base import ZerosLike
 from torchjax._to_jax._options import Options
 from torchjax._to_jax._torch_call._primitive import torch_call_p
 

@@ -1,4 +1,4 @@
-# torch.autograd and torch.func building blocks of the derivatives in _callables/_callables.py.
+# torch.autograd and torch.func building blocks of the derivatives in _callables/.
 #
 # Fresh tape nodes for the leaves to differentiate, pullbacks by torch.autograd.grad (one
 # cotangent, or a batch of them through one forward), forward mode from two reverse-mode

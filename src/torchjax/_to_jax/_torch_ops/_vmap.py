@@ -1,7 +1,6 @@
 # torch.func.vmap's steps, called without its Python wrapper, and what batched calls share.
 #
-# One batched torch call serves a whole jax.vmap batch (BatchedFunction in
-# _callables/_callables.py).
+# One batched torch call serves a whole jax.vmap batch (_callables/_batched.py).
 # torch.func.vmap's Python wrapper does per-call work (pytrees of arguments, in_dims and
 # outputs; checks of sizes and dims that jax.vmap has already made) that costs tens of
 # microseconds a call, so vmap_call takes its steps itself where they are found.

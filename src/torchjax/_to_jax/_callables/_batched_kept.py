@@ -38,21 +38,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from torchjax._compat._torch import custom_function_call
-from torchjax._to_jax._callables._callables import (
-    BatchedFunction,
-    DerivedFunction,
-    RecordedForward,
-    TypesOf,
-    VjpFunction,
-    unbatched_residual,
-)
+from torchjax._to_jax._callables._autodiff import VjpFunction
+from torchjax._to_jax._callables._base import DerivedFunction, TypesOf, unbatched_residual
+from torchjax._to_jax._callables._batched import BatchedFunction
+from torchjax._to_jax._callables._kept import RecordedForward
 from torchjax._to_jax._torch_ops._autograd import outermost
 from torchjax._to_jax._torch_ops._residual import (
     GRAPHS,
     OUTPUT_BUFFERS,
     KeptGraph,
-    enter_derived_call,
-    exit_derived_call,
     held_count,
     recording,
     replaying,
@@ -123,14 +117,10 @@ class BatchedRecordedForward(DerivedFunction):
     def arg_path(self, path: tuple) -> str:
         return self.inner.arg_path(path)
 
-    def __call__(self, *primals: Any) -> tuple:
-        enter_derived_call()
-        try:
-            return self._call(primals)
-        finally:
-            exit_derived_call()
+    holds_state = True  # as the forward it batches
+    n_residuals = 2  # as the forward it batches: the handle and the RNG state
 
-    def _call(self, primals: tuple) -> tuple:
+    def _call(self, *primals: Any) -> tuple:
         leaves, tree = _tree.tree_flatten(primals)
         positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         tensors = [leaves[i] for i in positions]
@@ -221,29 +211,25 @@ class BatchedTapedVjp(DerivedFunction):
     def arg_path(self, path: tuple) -> str:
         return self.inner.arg_path(path)
 
-    def __call__(self, primals: tuple, residuals: tuple, cotangents: tuple) -> tuple:
+    holds_state = True  # as the VJP it batches
+
+    def _call(self, primals: tuple, residuals: tuple, cotangents: tuple) -> tuple:
         into = OUTPUT_BUFFERS.take()  # XLA's buffers for the gradients, under jit
         graph = self._graph(primals, residuals, cotangents)
         if graph is None:
             return self._batched()(primals, residuals, cotangents)
-        enter_derived_call()
-        try:
-            ct_dims = self.in_dims[len(self.in_dims) - len(cotangents) :]
-            leaves = _tree.tree_leaves((primals, residuals, cotangents))
-            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-            size = next(
-                t.shape[d] for t, d in zip(tensors, self.in_dims, strict=True) if d is not None
-            )
-            cts = tuple(
-                c.expand(size, *c.shape) if d is None else c.movedim(d, 0)
-                for c, d in zip(cotangents, ct_dims, strict=True)
-            )
-            inputs = [x for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)]
-            if into is not None and len(into) != len(graph.leaves):
-                into = None
-            return graph.backward(inputs, self.inner.out_mask, cts, into)
-        finally:
-            exit_derived_call()
+        ct_dims = self.in_dims[len(self.in_dims) - len(cotangents) :]
+        leaves = _tree.tree_leaves((primals, residuals, cotangents))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        size = next(t.shape[d] for t, d in zip(tensors, self.in_dims, strict=True) if d is not None)
+        cts = tuple(
+            c.expand(size, *c.shape) if d is None else c.movedim(d, 0)
+            for c, d in zip(cotangents, ct_dims, strict=True)
+        )
+        inputs = [x for x in _tree.tree_leaves(primals) if isinstance(x, torch.Tensor)]
+        if into is not None and len(into) != len(graph.leaves):
+            into = None
+        return graph.backward(inputs, self.inner.out_mask, cts, into)
 
     def _graph(self, primals: tuple, residuals: tuple, cotangents: tuple) -> KeptGraph | None:
         """The batched graph to pull back through, taken from the store; None: recompute."""
