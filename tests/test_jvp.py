@@ -175,9 +175,9 @@ def test_linearize_splits_the_call_into_primal_and_linear_halves():
         (type(fn).__name__, getattr(fn, "with_primals", None))
         for fn, _ in _torch_calls(jaxpr.jaxpr)
     )
-    # The primal half is a RecordedForward: it keeps the graph and RNG state for a later
+    # The primal half is a KeptForward: it keeps the graph and RNG state for a later
     # transpose.
-    assert kinds == [("JvpFunction", False), ("RecordedForward", None)]
+    assert kinds == [("JvpFunction", False), ("KeptForward", None)]
 
 
 def test_jacfwd_computes_the_primal_once_unbatched():

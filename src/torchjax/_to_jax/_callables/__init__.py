@@ -18,7 +18,7 @@
 # |   | tangents of its inexact outputs, from one torch.func.jvp | _jvp.py |
 # | JvpFunction(g, wrt, out_mask) | the tangents alone: linear in the tangents | the splits |
 # |   | of _partial_eval.py and _batching.py |
-# | JvpFunction(..., with_residuals=True) | the same, called with a RecordedForward's |
+# | JvpFunction(..., with_residuals=True) | the same, called with a KeptForward's |
 # |   | residuals (replays its random draws) | linearization |
 # | VjpFunction(g, wrt, out_mask) (_autodiff.py) | cotangents of g's `wrt` leaves |
 # |   | (torch.func.vjp; torch.autograd.grad where nothing differentiates it again) |
@@ -29,10 +29,10 @@
 # |   | the pullback vmapped | _batching.py (jacrev) |
 # | VjpFunction(..., with_tangents=True) | the pullbacks of cotangents and of their |
 # |   | tangents, from one forward (the JVP of a VJP in its cotangents) | _jvp.py |
-# | RecordedForward(g, wrt, out_mask) (_kept.py) | g's outputs, keeping the autograd graph for |
+# | KeptForward(g, wrt, out_mask) (_kept.py) | g's outputs, keeping the autograd graph for |
 # |   | the VJP; returns the graph's handle and the RNG state as residuals | linearization |
 # | ForwardResiduals(forward) (_kept.py) | the forward's residuals alone | _dce.py |
-# | BatchedRecordedForward, BatchedTapedVjp (_batched_kept.py) | per-example gradients from |
+# | BatchedKeptForward, BatchedKeptVjp (_batched_kept.py) | per-example gradients from |
 # |   | one batched forward that keeps its graph | _batching.py |
 # | ZerosLike(shape, dtype) (_base.py) | not a callable: a static leaf standing for zeros |
 # |   | (a linear input's point in a generic transpose) | _transpose.py |

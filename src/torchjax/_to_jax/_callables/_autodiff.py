@@ -173,7 +173,7 @@ class JvpFunction(_Derivative):
     form; where JAX needs the halves apart (linearize, grad, checkpoint, jacfwd), the
     rules in _torch_call/_partial_eval.py split it back into the primal call and the linear form.
 
-    ``taped``: the linear form that follows a RecordedForward, called as ``(primals,
+    ``with_residuals``: the linear form that follows a KeptForward, called as ``(primals,
     residuals, tangents)`` with that call's residuals; it replays the forward's random
     draws, and its transpose pulls back through the kept graph.
     """
@@ -277,7 +277,7 @@ class VjpFunction(_Derivative):
             cotangents = tuple(map(conj, cotangents))
             into = None  # conjugated after: not what the buffers should hold
         if self.with_residuals:
-            grads = self._after_taped(primals, rest[0], cotangents, into)
+            grads = self._through_kept_graph(primals, rest[0], cotangents, into)
         elif self.ct_batch:
             grads = self._batched_pullback(primals, cotangents)
         else:
@@ -287,7 +287,7 @@ class VjpFunction(_Derivative):
         grads = [g if g.layout is torch.strided else g.to_dense() for g in grads]
         return tuple(map(conj, grads)) if any(map(torch.is_complex, grads)) else tuple(grads)
 
-    def _after_taped(
+    def _through_kept_graph(
         self, primals: tuple, residuals: tuple, cotangents: tuple, into: Any = None
     ) -> tuple:
         """Through the graph the forward kept, if it is still there and nothing outside

@@ -1,7 +1,7 @@
 # Per-example gradients from one forward: jax.vmap of the reverse-mode split.
 #
 # jax.vmap(jax.value_and_grad(f)) batches both halves of the split (_torch_call/_partial_eval.py):
-# the forward (a RecordedForward) and its VJP. Batched as any call, the forward runs under
+# the forward (a KeptForward) and its VJP. Batched as any call, the forward runs under
 # torch.func.vmap, which cannot keep a graph, and the VJP recomputes it: two forwards where
 # torch.func.vmap(torch.func.grad_and_value(f)) runs one. Instead the batched forward is
 # recorded by torch.autograd around torch.func.vmap, with every differentiated input a leaf
@@ -17,11 +17,11 @@
 # asks (`if h.requires_grad: h.register_hook(...)`, nn.MultiheadAttention's fast path)
 # would take another branch, and give another gradient. And an autograd.Function applied
 # in it is differentiated through its vmap rule (the graph records what the rule ran), where
-# torch.func runs its backward. Every recorded forward watches for both (a
+# torch.func runs its backward. Every kept forward watches for both (a
 # TorchFunctionMode, which also turns nn.MultiheadAttention's fast path off, as
 # torch.func's levels would); a call that asks or applies one runs again without a graph,
 # its VJP recomputing under torch.func's levels, and so do the function's later calls.
-# A recorded graph is differentiated op by op as the batching rules ran it, and some rules
+# A kept graph is differentiated op by op as the batching rules ran it, and some rules
 # write one example's value to one target from several places (select_scatter's rule
 # scatters a stride-0 expansion of its source with an index that repeats): torch's
 # derivative of such a write (scatter, index_put, index_copy, put) assumes each target is
@@ -41,7 +41,7 @@ from torchjax._compat._torch import custom_function_call
 from torchjax._to_jax._callables._autodiff import VjpFunction
 from torchjax._to_jax._callables._base import DerivedFunction, TypesOf, unbatched_residual
 from torchjax._to_jax._callables._batched import BatchedFunction
-from torchjax._to_jax._callables._kept import RecordedForward
+from torchjax._to_jax._callables._kept import KeptForward
 from torchjax._to_jax._torch_ops._autograd import outermost
 from torchjax._to_jax._torch_ops._residual import (
     GRAPHS,
@@ -101,13 +101,13 @@ class _AutogradQuestions(TorchFunctionMode):
 
 
 @dataclasses.dataclass(frozen=True)
-class BatchedRecordedForward(DerivedFunction):
-    """``forward`` (a RecordedForward) batched by torch.func.vmap over the tensor leaves
+class BatchedKeptForward(DerivedFunction):
+    """``forward`` (a KeptForward) batched by torch.func.vmap over the tensor leaves
     with batch axes `in_dims`, recorded by torch.autograd with batched leaves (see the
     banner). Returns ``(*outputs batched at 0, handle, rng_state)``, the two residuals
     unbatched; handle 0 where no graph was kept (inside another transform)."""
 
-    inner: RecordedForward
+    inner: KeptForward
     in_dims: tuple
     randomness: str
 
@@ -162,7 +162,7 @@ class BatchedRecordedForward(DerivedFunction):
             facts["asks_autograd"] = True
             del out, graph, new
             return self._without_graph(primals, mark, state, device)
-        if repeats:  # its derivative, as recorded, would count a repeated target again
+        if repeats:  # its derivative, as kept, would count a repeated target again
             del out, graph, new
             return self._without_graph(primals, mark, state, device)
         outs = [as_tensor(o, device) for o in _tree.tree_leaves(out)]
@@ -178,7 +178,7 @@ class BatchedRecordedForward(DerivedFunction):
 
     def _without_graph(self, primals: tuple, mark: int, state: Any, device: Any) -> tuple:
         """The call batched as BatchedFunction would, keeping no graph (the VJP will
-        recompute), after a recorded attempt: what that attempt held is let go of."""
+        recompute), after an attempt to keep its graph: what that attempt held is let go of."""
         for h in take_held(mark):
             h.release()
         with replaying(state, device):  # the draws the VJP will replay too
@@ -187,17 +187,17 @@ class BatchedRecordedForward(DerivedFunction):
 
     def out_types(self, types_of: TypesOf, *primals: Any) -> tuple:
         out = self._batched().out_types(types_of, *primals)
-        return (*_tree.tree_leaves(out), *RecordedForward.residual_types())
+        return (*_tree.tree_leaves(out), *KeptForward.residual_types())
 
     def call_failure(self, error: Exception, in_tree: Any = None) -> Exception:
         return self._batched().call_failure(error, in_tree)
 
 
 @dataclasses.dataclass(frozen=True)
-class BatchedTapedVjp(DerivedFunction):
+class BatchedKeptVjp(DerivedFunction):
     """``inner`` (a VjpFunction with residuals) batched over `in_dims` (its tensor leaves':
     primals, the two residuals, unbatched, and cotangents): through the graph a
-    BatchedRecordedForward kept, one cotangent per example; else as BatchedFunction would,
+    BatchedKeptForward kept, one cotangent per example; else as BatchedFunction would,
     recomputing under torch.func.vmap with the forward's draws replayed. The gradients
     carry the batch axis in front."""
 

@@ -50,7 +50,7 @@ _WARMED: weakref.WeakSet = weakref.WeakSet()
 
 
 @dataclasses.dataclass(frozen=True)
-class RecordedForward(_Derivative):
+class KeptForward(_Derivative):
     """``(*primals) -> (*inner's flat outputs, handle, rng_state)``: the primal half of a
     call that reverse mode splits (_torch_call/_partial_eval.py), run with autograd recording on the
     `wrt` leaves. The graph is kept under `handle` (0: none kept, e.g. under a torch.func
@@ -128,7 +128,7 @@ class RecordedForward(_Derivative):
 
 @dataclasses.dataclass(frozen=True)
 class ForwardResiduals(DerivedFunction):
-    """``(*args) -> (handle 0, rng_state)``: the residuals `inner` (a RecordedForward that
+    """``(*args) -> (handle 0, rng_state)``: the residuals `inner` (a KeptForward that
     would keep no graph, or the forward inside a JVP's) returns after its outputs, without
     running it: the generator state it reads before its forward.
 
@@ -155,4 +155,4 @@ class ForwardResiduals(DerivedFunction):
 
     def out_types(self, types_of: TypesOf, *args: Any) -> tuple:
         del types_of, args
-        return RecordedForward.residual_types()
+        return KeptForward.residual_types()

@@ -8,7 +8,7 @@
 # inputs are batched and the outputs must stay unbatched: the combined JVP call with only
 # its tangents batched (jax.jacfwd, jax.hessian: fn once, the linear half batched), a VJP
 # with only its cotangents batched (jax.jacrev: one forward, the pullback batched), and
-# the pair of pullbacks of the JVP of a VJP with only the second batched.
+# the two pullbacks of a VJP with tangents (the JVP of a VJP) with only the second batched.
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +21,8 @@ from torchjax._errors import VmapError
 from torchjax._primitive._params import is_operand
 from torchjax._to_jax._callables._autodiff import JvpFunction, VjpFunction
 from torchjax._to_jax._callables._batched import BatchedFunction, LeadingAxisFunction
-from torchjax._to_jax._callables._batched_kept import BatchedRecordedForward, BatchedTapedVjp
-from torchjax._to_jax._callables._kept import RecordedForward
+from torchjax._to_jax._callables._batched_kept import BatchedKeptForward, BatchedKeptVjp
+from torchjax._to_jax._callables._kept import KeptForward
 from torchjax._to_jax._options import Options
 from torchjax._to_jax._torch_call._primitive import torch_call_p
 from torchjax._to_jax._torch_ops._vmap import LEADING_AXIS_MESSAGE
@@ -33,16 +33,16 @@ _tree = jax.tree_util
 def batch(args: tuple, axes: tuple, *, fn: Any, options: Any) -> tuple[Any, Any]:
     """Batch the combined call as two when only its tangents are batched, a VJP with only
     its cotangents batched as one forward and a batched pullback; else as one call."""
-    if isinstance(fn, RecordedForward):
-        taped = _taped_forward(args, axes, fn, options)
-        if taped is not None:
-            return taped
+    if isinstance(fn, KeptForward):
+        kept = _kept_forward(args, axes, fn, options)
+        if kept is not None:
+            return kept
         # Batched as any call, the forward keeps no graph and no generator state (both
         # "none": zeros), so it is only the inner call, which jit drops where its outputs
         # go unused: one batched VJP call.
         out, out_axes = by_method(args, axes, fn=fn.inner, options=options)
         out = jax.tree_util.tree_leaves(out)
-        nothing = tuple(jax.numpy.zeros(t.shape, t.dtype) for t in RecordedForward.residual_types())
+        nothing = tuple(jax.numpy.zeros(t.shape, t.dtype) for t in KeptForward.residual_types())
         return (*out, *nothing), (*_broadcast(out_axes, len(out)), None, None)
     if isinstance(fn, VjpFunction) and fn.with_tangents:
         *head_axes, ct_axes, more_axes = axes
@@ -63,9 +63,9 @@ def batch(args: tuple, axes: tuple, *, fn: Any, options: Any) -> tuple[Any, Any]
             pulled = dataclasses.replace(fn, ct_batch=(*fn.ct_batch, level))
             return torch_call_p.bind(*args, fn=pulled, options=options), 0
     if isinstance(fn, VjpFunction) and fn.with_residuals and not fn.with_tangents:
-        taped = _taped_vjp(args, axes, fn, options)
-        if taped is not None:
-            return taped
+        kept = _kept_vjp(args, axes, fn, options)
+        if kept is not None:
+            return kept
     primals, tangents = args if isinstance(fn, JvpFunction) and fn.with_primals else ((), ())
     if not tangents or any(a is not None for a in jax.tree_util.tree_leaves(axes[0])):
         return by_method(args, axes, fn=fn, options=options)
@@ -85,7 +85,7 @@ def _tensor_in_dims(args: tuple, axes: tuple) -> tuple:
     return tuple(a for x, a in zip(leaves, flat_axes, strict=True) if is_operand(x))
 
 
-def _taped_forward(args: tuple, axes: tuple, fn: RecordedForward, options: Options) -> Any:
+def _kept_forward(args: tuple, axes: tuple, fn: KeptForward, options: Options) -> Any:
     """The batched forward that keeps one graph for every example
     (_callables/_batched_kept.py), where
     it applies: the user's function, batched by torch.func, with every output batched."""
@@ -97,13 +97,13 @@ def _taped_forward(args: tuple, axes: tuple, fn: RecordedForward, options: Optio
     plain = BatchedFunction(fn.inner, in_dims, options.vmap_randomness).with_out_dims(args)
     if plain.out_dims is not None:
         return None  # some output stays unbatched: the plain batched call handles that
-    taped = BatchedRecordedForward(fn, in_dims, options.vmap_randomness)
-    out = torch_call_p.bind(*args, fn=taped, options=options)
+    kept = BatchedKeptForward(fn, in_dims, options.vmap_randomness)
+    out = torch_call_p.bind(*args, fn=kept, options=options)
     return out, (*[0] * (len(out) - 2), None, None)
 
 
-def _taped_vjp(args: tuple, axes: tuple, fn: VjpFunction, options: Options) -> Any:
-    """The batched VJP that pulls back through a BatchedRecordedForward's graph, where its
+def _kept_vjp(args: tuple, axes: tuple, fn: VjpFunction, options: Options) -> Any:
+    """The batched VJP that pulls back through a BatchedKeptForward's graph, where its
     residuals came unbatched from one (else None: the VJP is batched as any call)."""
     if options.vmap_method != "torch.func" or fn.ct_batch or fn.method == "autograd":
         return None
@@ -111,8 +111,8 @@ def _taped_vjp(args: tuple, axes: tuple, fn: VjpFunction, options: Options) -> A
     if any(a is not None for a in _tree.tree_leaves(residual_axes)):
         return None
     in_dims = _tensor_in_dims(args, axes)
-    taped = BatchedTapedVjp(fn, in_dims, options.vmap_randomness)
-    return torch_call_p.bind(*args, fn=taped, options=options), 0
+    kept = BatchedKeptVjp(fn, in_dims, options.vmap_randomness)
+    return torch_call_p.bind(*args, fn=kept, options=options), 0
 
 
 def _broadcast(axes: Any, n: int) -> list:

@@ -3,14 +3,14 @@
 # JAX's default drops a call whose outputs are all unused and keeps the rest whole. Reverse
 # mode leaves calls of which only a residual is read, and forward-over-reverse (the JVP of
 # a gradient: Hessian-vector products, jax.hessian) has one such forward per call:
-#   * The JVP of a VJP that follows a RecordedForward (a JvpFunction of a VjpFunction with
+#   * The JVP of a VJP that follows a KeptForward (a JvpFunction of a VjpFunction with
 #     residuals, maybe batched) recomputes the forward inside torch.func.jvp, where a kept
-#     graph cannot serve (VjpFunction._after_taped): of the residuals it reads
+#     graph cannot serve (VjpFunction._through_kept_graph): of the residuals it reads
 #     the RNG state only. Its graph-handle operand becomes a literal 0, so it stops being a
 #     use of the handle (it would only have taken the graph out of the store to drop it).
-#   * A RecordedForward whose handle nobody reads keeps no graph (keep_graph=False).
+#   * A KeptForward whose handle nobody reads keeps no graph (keep_graph=False).
 #   * A JVP whose outputs nobody reads, only their tangents, returns the tangents alone.
-#   * A RecordedForward, or the JvpFunction of one (inside torch.func.jvp it keeps no graph:
+#   * A KeptForward, or the JvpFunction of one (inside torch.func.jvp it keeps no graph:
 #     its handle is 0), of which nothing but the residuals is read becomes a
 #     ForwardResiduals call on the forward's primals alone (not the JVP's tangents, which
 #     the residuals do not depend on: jax.checkpoint's transpose would take them for
@@ -32,7 +32,7 @@ from torchjax._primitive._params import ARRAY
 from torchjax._to_jax._callables._autodiff import JvpFunction, VjpFunction
 from torchjax._to_jax._callables._base import layout
 from torchjax._to_jax._callables._batched import BatchedFunction
-from torchjax._to_jax._callables._kept import ForwardResiduals, RecordedForward
+from torchjax._to_jax._callables._kept import ForwardResiduals, KeptForward
 from torchjax._to_jax._torch_call._partial_eval import torch_call_eqn
 from torchjax._to_jax._torch_call._primitive import torch_call_p
 
@@ -43,13 +43,13 @@ def dce(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
         return [False] * len(eqn.invars), None
     fn = dict(eqn.params["params"])["fn"]
     original = eqn.invars
-    if isinstance(fn, RecordedForward):
+    if isinstance(fn, KeptForward):
         eqn = _forward_eqn(used_outputs, eqn, fn, len(used_outputs) - 2)
-    elif isinstance(fn, JvpFunction) and isinstance(fn.inner, RecordedForward):
+    elif isinstance(fn, JvpFunction) and isinstance(fn.inner, KeptForward):
         if fn.with_primals and not fn.with_residuals:
             eqn = _forward_eqn(used_outputs, eqn, fn, len(fn.out_mask) - 2)
     else:
-        if _differentiates_taped_vjp(fn):
+        if _differentiates_kept_vjp(fn):
             eqn = _without_handle(eqn)
         if isinstance(fn, JvpFunction) and fn.with_primals:
             eqn = _tangents_only(used_outputs, eqn, fn)
@@ -77,7 +77,7 @@ def _forward_eqn(used: list[bool], eqn: Any, fn: Any, handle_at: int) -> Any:
             invars = invars[: sum(1 for s in statics if s is ARRAY)]
             fn = fn.inner
         return torch_call_eqn(eqn, invars, residuals, in_tree, statics, ForwardResiduals(fn))
-    if isinstance(fn, RecordedForward) and fn.keep_graph and not used[handle_at]:
+    if isinstance(fn, KeptForward) and fn.keep_graph and not used[handle_at]:
         lighter = dataclasses.replace(fn, keep_graph=False)
         in_tree, statics = eqn.params["in_tree"], eqn.params["statics"]
         return torch_call_eqn(eqn, eqn.invars, eqn.outvars, in_tree, statics, lighter)
@@ -90,7 +90,7 @@ def _differentiated_vjp(fn: Any) -> VjpFunction:
     return fn.inner
 
 
-def _differentiates_taped_vjp(fn: Any) -> bool:
+def _differentiates_kept_vjp(fn: Any) -> bool:
     while isinstance(fn, BatchedFunction):
         fn = fn.inner
     return (

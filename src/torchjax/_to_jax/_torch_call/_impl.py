@@ -363,7 +363,7 @@ def impl(operands: tuple, *, in_tree: Any, statics: tuple, signature: Any, param
     The plan checks every output's shape and dtype, so the flat outputs need no re-check.
     """
     if fake_runs.depth or torch.is_inference_mode_enabled() or any_autocast():
-        return _impl_in_plain_mode(operands, in_tree, statics, signature, params)
+        return _impl_in_real_mode(operands, in_tree, statics, signature, params)
     plan = _eagerplan_for(in_tree, statics, signature, params, operands)
     device = None
     for x in operands:
@@ -411,7 +411,7 @@ def _committed_device(operands: Any, plan: CallPlan) -> Any:
     return device
 
 
-def _impl_in_plain_mode(operands, in_tree, statics, signature, params) -> list:
+def _impl_in_real_mode(operands, in_tree, statics, signature, params) -> list:
     """The eager impl outside torch's inference mode (whose tensors have no version counter
     for the in-place check; the outputs are ordinary arrays either way) and outside an
     enclosing fake run (a wrapped function calling another one while its types are found:

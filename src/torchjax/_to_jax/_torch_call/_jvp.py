@@ -58,7 +58,7 @@ torch_call_p.def_jvp(jvp)
 def _jvp_of_pullback(primals: tuple, ct_dots: tuple, fn: VjpFunction, options: Options) -> tuple:
     """A VJP differentiated with respect to its cotangents alone, in which it is linear:
     its tangent is the same VJP of the cotangents' tangents. Both come from one call that
-    runs the forward once and pulls back both (VjpFunction.pair); batched over the
+    runs the forward once and pulls back both (VjpFunction with_tangents); batched over the
     tangents alone (jax.jacfwd), it splits again (_torch_call/_partial_eval.py)."""
     *points, cts = primals
     if all(t is None for t in ct_dots):

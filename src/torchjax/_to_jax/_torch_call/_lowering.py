@@ -43,8 +43,8 @@ from torchjax._to_jax._call._huge_pages import advise, large_outputs
 from torchjax._to_jax._call._outputs import as_jax_tree
 from torchjax._to_jax._call._plan import CallPlan, plan_for, plan_parts
 from torchjax._to_jax._callables._autodiff import VjpFunction
-from torchjax._to_jax._callables._batched_kept import BatchedTapedVjp
-from torchjax._to_jax._callables._kept import RecordedForward
+from torchjax._to_jax._callables._batched_kept import BatchedKeptVjp
+from torchjax._to_jax._callables._kept import KeptForward
 from torchjax._to_jax._torch_call._callback_errors import as_reported
 from torchjax._to_jax._torch_call._primitive import torch_call_p
 from torchjax._to_jax._torch_ops._residual import OUTPUT_BUFFERS
@@ -380,8 +380,8 @@ def lowering(*args: Any, fn: Any, options: Any, signature: Any) -> Any:
     plan = plan_for(fn, *parts, in_dtypes=[x.dtype for x in operands])
     share = (
         (type(fn) is VjpFunction and fn.with_residuals and not fn.ct_batch)
-        or type(fn) is BatchedTapedVjp
-        or (type(fn) is RecordedForward and fn.keep_graph)  # writes its outputs there
+        or type(fn) is BatchedKeptVjp
+        or (type(fn) is KeptForward and fn.keep_graph)  # writes its outputs there
     )
     # The user's function, whose fake run saw whether it draws; without one (declared
     # result_shape_dtypes, a seeded call) it may: merging two calls costs more than it saves.

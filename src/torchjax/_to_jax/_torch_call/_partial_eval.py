@@ -13,7 +13,7 @@
 #     staged half is the whole call again, so the outputs are recomputed rather than saved;
 #     the checkpoint's transpose partially evaluates it and the first rule splits it there.
 #   * direct linearization (jax.grad, jax.vjp, jax.linearize): JAX's LinearizeTrace asks
-#     for a linearization rule; the forward runs now as a RecordedForward, keeping torch's
+#     for a linearization rule; the forward runs now as a KeptForward, keeping torch's
 #     graph for the VJP, and the linear half is bound on the tangent trace.
 # The JVP of a VJP in its cotangents, VjpFunction(with_tangents=True), splits in the first
 # two places the same way: the pullback of the cotangents now, that of their tangents staged.
@@ -41,7 +41,7 @@ from torchjax._compat._jax import partial_eval as pe
 from torchjax._primitive._params import ARRAY, as_operands, rebuild
 from torchjax._to_jax._callables._autodiff import JvpFunction, VjpFunction
 from torchjax._to_jax._callables._base import layout
-from torchjax._to_jax._callables._kept import RecordedForward
+from torchjax._to_jax._callables._kept import KeptForward
 from torchjax._to_jax._torch_call._jvp import differentiated
 from torchjax._to_jax._torch_call._primitive import torch_call_p
 from torchjax._to_jax._torch_ops._autograd import inexact
@@ -67,11 +67,13 @@ def partial_eval(trace: pe.JaxprTrace, *tracers: Any, **flat: Any) -> list:
     """
     fn, in_tree, statics = _combined(flat["params"]), flat["in_tree"], flat["statics"]
     known = [is_known(t) for t in tracers]
-    pair = _pullback_pair(flat["params"])
-    if pair is not None:
-        halves = _pair_halves(pair, in_tree, statics)
+    vjp = _vjp_with_tangents(flat["params"])
+    if vjp is not None:
+        halves = _tangent_halves(vjp, in_tree, statics)
         if all(known[: halves.n_known]) and not all(known):
-            return _split_pair(trace, pair, halves, tracers, dict(flat["params"])["options"])
+            return _split_with_tangents(
+                trace, vjp, halves, tracers, dict(flat["params"])["options"]
+            )
     n_primal = _primal_operand_count(fn, in_tree, statics) if fn else 0
     if fn is None or all(known) or not all(known[:n_primal]):
         return process_by_default(trace, _prim, tracers, flat)
@@ -79,7 +81,7 @@ def partial_eval(trace: pe.JaxprTrace, *tracers: Any, **flat: Any) -> list:
     values = as_operands([known_value(t) for t in tracers[:n_primal]]) + list(tracers[n_primal:])
     primals, _ = rebuild(in_tree, statics, values)
     # The forward runs now, keeping torch's graph and RNG state for the linear half.
-    forward = RecordedForward(fn.inner, fn.wrt, fn.out_mask, fn.grad_method)
+    forward = KeptForward(fn.inner, fn.wrt, fn.out_mask, fn.grad_method)
     *out, handle, rng = torch_call_p.bind(*primals, fn=forward, options=options)
     outs = [trace_constant(trace, v) for v in out]
     residuals = (trace_constant(trace, handle), trace_constant(trace, rng))
@@ -93,14 +95,14 @@ def partial_eval(trace: pe.JaxprTrace, *tracers: Any, **flat: Any) -> list:
 torch_call_p.def_partial_eval(partial_eval)
 
 
-def _pullback_pair(params: tuple) -> VjpFunction | None:
+def _vjp_with_tangents(params: tuple) -> VjpFunction | None:
     fn = dict(params)["fn"]
     return fn if isinstance(fn, VjpFunction) and fn.with_tangents else None
 
 
 @dataclasses.dataclass(frozen=True)
-class _PairHalves:
-    """How a pullback pair's call ``(*points, cotangents, more)`` (the JVP of a VJP in its
+class _TangentHalves:
+    """How a VJP with tangents's call ``(*points, cotangents, more)`` (the JVP of a VJP in its
     cotangents, _torch_call/_jvp.py) splits into its two pullbacks, which is exact since a VJP is
     linear in its cotangents: ``(*points, cotangents)``, its outputs, and ``(*points,
     more)``, its tangents, linear in `more`. Operands are numbered as the call's are."""
@@ -113,11 +115,11 @@ class _PairHalves:
     staged_statics: tuple
 
 
-def _pair_halves(pair: VjpFunction, in_tree: Any, statics: tuple) -> _PairHalves:
-    parts = layout(pair, in_tree)
+def _tangent_halves(vjp: VjpFunction, in_tree: Any, statics: tuple) -> _TangentHalves:
+    parts = layout(vjp, in_tree)
     cts, more = parts.pop("cotangents"), parts.pop("ct_tangents")
     points = [p.tree for p in parts.values()]  # the primals (and residuals)
-    return _PairHalves(
+    return _TangentHalves(
         known_tree=_tree_tuple([*points, cts.tree]),
         known_statics=statics[: more.start],
         n_known=more.operands(statics)[0],
@@ -131,11 +133,13 @@ def _tree_tuple(kids: list) -> Any:
     return jax.tree_util.treedef_tuple(kids)
 
 
-def _split_pair(trace: Any, pair: VjpFunction, halves: _PairHalves, tracers: tuple, options):
-    """JaxprTrace rule for a pullback pair whose cotangents are known and whose second set
-    (`more`) is not: the first pullback runs now, the second is staged, linear in `more`.
-    (The forward runs once for each; the pair's single forward is for jax.jvp alone.)"""
-    single = dataclasses.replace(pair, with_tangents=False)
+def _split_with_tangents(
+    trace: Any, vjp: VjpFunction, halves: _TangentHalves, tracers: tuple, options
+):
+    """JaxprTrace rule for a VJP with tangents whose cotangents are known and whose
+    tangents (`more`) are not: the first pullback runs now, the second is staged, linear in
+    `more`. (The forward runs once for each; one forward for both is for jax.jvp alone.)"""
+    single = dataclasses.replace(vjp, with_tangents=False)
     values = as_operands([known_value(t) for t in tracers[: halves.n_known]])
     out = torch_call_p.bind(
         *rebuild(halves.known_tree, halves.known_statics, values), fn=single, options=options
@@ -152,7 +156,7 @@ def linearize(
     is_vjp: bool | None, nonzeros: list, *operands: Any, in_tree, statics, signature, params
 ) -> Any:
     """Direct linearization (jax.grad, jax.vjp, jax.linearize), the split above without
-    first tracing the JVP into a jaxpr: the forward runs now as RecordedForward, and the
+    first tracing the JVP into a jaxpr: the forward runs now as KeptForward, and the
     linear half is bound on the tangent trace. A linear half that will be applied forward
     (jax.linearize: is_vjp False) recomputes anyway, so no graph is kept for it. None: JAX's
     fallback (through the JVP rule) handles the call, e.g. a VJP differentiated with
@@ -170,7 +174,7 @@ def linearize(
     if not wrt or not any(out_mask):
         return None
     keep = is_vjp is not False
-    forward = RecordedForward(fn, wrt, out_mask, options.grad_method, keep_graph=keep)
+    forward = KeptForward(fn, wrt, out_mask, options.grad_method, keep_graph=keep)
     *out, handle, rng = torch_call_p.bind(*primals, fn=forward, options=options)
     linear = JvpFunction(fn, wrt, out_mask, options.grad_method, with_residuals=True)
 
@@ -205,11 +209,11 @@ def partial_eval_custom(saveable: Any, unks_in: list, inst_in: list, eqn: Any) -
         if _saved(saveable, eqn):
             return eqn, None, [False] * n_out, [False] * n_out, []
         return eqn, eqn, [False] * n_out, [True] * n_out, residuals
-    pair = _pullback_pair(eqn.params["params"])
-    if pair is not None:
-        halves = _pair_halves(pair, eqn.params["in_tree"], eqn.params["statics"])
+    vjp = _vjp_with_tangents(eqn.params["params"])
+    if vjp is not None:
+        halves = _tangent_halves(vjp, eqn.params["in_tree"], eqn.params["statics"])
         if not any(unks_in[: halves.n_known]):
-            return _split_pair_eqn(eqn, pair, halves, inst_in)
+            return _split_with_tangents_eqn(eqn, vjp, halves, inst_in)
     n_primal = _primal_operand_count(fn, eqn.params["in_tree"], eqn.params["statics"]) if fn else 0
     if fn is None or any(unks_in[:n_primal]):
         return None, eqn, [True] * n_out, [True] * n_out, residuals
@@ -246,11 +250,13 @@ def partial_eval_custom(saveable: Any, unks_in: list, inst_in: list, eqn: Any) -
 torch_call_p.def_partial_eval_custom(partial_eval_custom)
 
 
-def _split_pair_eqn(eqn: Any, pair: VjpFunction, halves: _PairHalves, inst_in: list) -> tuple:
-    """partial_eval_jaxpr_custom's split of a pullback pair with known cotangents (see
-    _split_pair): the known equation pulls back the cotangents, the staged one `more`. The
+def _split_with_tangents_eqn(
+    eqn: Any, vjp: VjpFunction, halves: _TangentHalves, inst_in: list
+) -> tuple:
+    """partial_eval_jaxpr_custom's split of a VJP with tangents with known cotangents (see
+    _split_with_tangents): the known equation pulls back the cotangents, the staged one `more`. The
     outputs are saved whatever the policy: a pullback draws nothing."""
-    single = dataclasses.replace(pair, with_tangents=False)
+    single = dataclasses.replace(vjp, with_tangents=False)
     n_half = len(eqn.outvars) // 2
     known = torch_call_eqn(
         eqn,
@@ -273,13 +279,13 @@ def _split_pair_eqn(eqn: Any, pair: VjpFunction, halves: _PairHalves, inst_in: l
 def _split_replaying(eqn: Any, fn: JvpFunction, n_primal: int, n_primal_out: int, residuals):
     """The split of a call that draws random numbers, whatever the policy: recomputed, the
     primal half would draw anew, and the tangents (the gradient) would be those of other
-    draws than the outputs'. The known half runs as a RecordedForward without a graph (the
+    draws than the outputs'. The known half runs as a KeptForward without a graph (the
     checkpoint's memory is kept), and its RNG state is a residual: the linear half replays
     the forward's draws, as linearization's does."""
     primal_tree, tangent_tree = eqn.params["in_tree"].children()
     n_primal_leaves = primal_tree.num_leaves
     statics = eqn.params["statics"]
-    forward = RecordedForward(fn.inner, fn.wrt, fn.out_mask, fn.grad_method, keep_graph=False)
+    forward = KeptForward(fn.inner, fn.wrt, fn.out_mask, fn.grad_method, keep_graph=False)
     handle, rng = (new_var(core.ShapedArray(r.shape, r.dtype)) for r in forward.residual_types())
     known = torch_call_eqn(
         eqn,
@@ -289,13 +295,13 @@ def _split_replaying(eqn: Any, fn: JvpFunction, n_primal: int, n_primal_out: int
         statics[:n_primal_leaves],
         forward,
     )
-    pair = jax.tree_util.tree_structure((0, 0))
+    residuals_tree = jax.tree_util.tree_structure((0, 0))  # (handle, rng)
     linear = dataclasses.replace(fn, with_primals=False, with_residuals=True)
     staged = torch_call_eqn(
         eqn,
         [*eqn.invars[:n_primal], handle, rng, *eqn.invars[n_primal:]],
         eqn.outvars[n_primal_out:],
-        jax.tree_util.treedef_tuple([primal_tree, pair, tangent_tree]),
+        jax.tree_util.treedef_tuple([primal_tree, residuals_tree, tangent_tree]),
         (*statics[:n_primal_leaves], ARRAY, ARRAY, *statics[n_primal_leaves:]),
         linear,
     )

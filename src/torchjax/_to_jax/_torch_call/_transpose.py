@@ -41,7 +41,7 @@ def transpose(cts: Any, *args: Any, fn: Any, options: Options) -> tuple:
             )
         cts, fn = cts[n_out:], fn.linear
     if isinstance(fn, JvpFunction):
-        primals, *residuals, tangents = args  # residuals: after a RecordedForward: (handle, rng)
+        primals, *residuals, tangents = args  # residuals: after a KeptForward: (handle, rng)
         if all(isinstance(t, Linear) for t in tangents) and not _has_linear((primals, residuals)):
             nothing = (None,) * len(args)
             keep = [i for i, c in enumerate(cts) if c is not None]

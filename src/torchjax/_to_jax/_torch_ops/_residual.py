@@ -323,7 +323,7 @@ def hold(state: HeldState) -> bool:
 
 
 def enter_derived_call() -> None:
-    """A derived torch call (JVP, VJP, taped forward, batched call) starts on this thread."""
+    """A derived torch call (JVP, VJP, kept forward, batched call) starts on this thread."""
     _holding.depth += 1
 
 
