@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from helpers import MatmulCount, tree_close
 
 import torchjax
-from torchjax._to_jax._torch_ops._residual import GRAPHS
+from torchjax._to_jax._context import GRAPHS
 
 pytestmark = pytest.mark.core  # the version matrix runs this module
 

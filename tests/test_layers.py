@@ -18,7 +18,7 @@ LAYERS = [
     ("torchjax._version", "torchjax._errors", "torchjax.errors", "torchjax._compat"),
     ("torchjax._convert",),
     ("torchjax._primitive",),
-    ("torchjax._to_jax._options", "torchjax._to_jax._context"),
+    ("torchjax._to_jax._options", "torchjax._to_jax._context", "torchjax._to_jax._hooks"),
     ("torchjax._to_jax._call",),
     ("torchjax._to_jax._torch_ops",),
     ("torchjax._to_jax._fake",),
@@ -152,3 +152,44 @@ def test_callables_never_import_the_primitive():
         if name.startswith("torchjax._to_jax._callables")
     }
     assert not any(wrong.values()), wrong
+
+
+_STATE_MAKERS = {
+    "threading.local",
+    "threading.Lock",
+    "threading.RLock",
+    "weakref.WeakSet",
+    "weakref.WeakKeyDictionary",
+    "weakref.WeakValueDictionary",
+    "contextvars.ContextVar",
+}
+
+
+def _ambient_state(path: pathlib.Path) -> list[str]:
+    """Module-level thread-locals, locks and weak stores `path` defines: classes deriving
+    from threading.local, and module-level names bound to a new one."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            bases = {ast.unparse(b) for b in node.bases}
+            if bases & {"threading.local"}:
+                found.append(f"class {node.name}")
+        elif isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Call):
+            maker = ast.unparse(node.value.func)
+            if maker in _STATE_MAKERS:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                found.extend(ast.unparse(t) for t in targets)
+    return found
+
+
+def test_a_calls_ambient_state_lives_in_context_alone():
+    spread = {}
+    for package in ("_to_jax", "_module_to_jax"):
+        for path in sorted((SRC / "torchjax" / package).rglob("*.py")):
+            if path.name != "_context.py":
+                state = _ambient_state(path)
+                if state:
+                    spread[str(path.relative_to(SRC))] = state
+    assert not spread, f"ambient state outside _to_jax/_context.py: {spread}"
+    assert "FAKE_RUN_LOCK" in _ambient_state(SRC / "torchjax" / "_to_jax" / "_context.py")

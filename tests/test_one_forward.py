@@ -17,7 +17,7 @@ from helpers import tree_close
 from torch._subclasses.fake_tensor import is_fake
 
 import torchjax
-from torchjax._to_jax._torch_ops._residual import GRAPHS
+from torchjax._to_jax._context import GRAPHS
 
 pytestmark = pytest.mark.core  # the version matrix runs this module
 

@@ -44,6 +44,7 @@ from torchjax._module_to_jax._placeholders import (
     computed_attributes,
     placeholder,
 )
+from torchjax._to_jax._context import PARAMETRIZE_LOCK
 from torchjax._to_jax._fake._run import real_mode
 from torchjax._to_jax._fake._snapshots import ModulesSnapshot
 from torchjax._to_jax._torch_ops._residual import (
@@ -217,9 +218,6 @@ _COPY_FAILED = (
 )
 
 
-_parametrize_lock = threading.RLock()
-
-
 class ModuleState:
     """The named tensors of `module`, where they sit, and the copies calls run in.
 
@@ -296,7 +294,7 @@ class ModuleState:
         reassigned is dropped, with a warning the first time.
         """
         if self.parametrized and parametrize_cache() is not None:
-            with _parametrize_lock:  # one call at a time may own the shared keys
+            with PARAMETRIZE_LOCK:  # one call at a time may own the shared keys
                 return self._call_with_own_cache(args, kwargs, values, read_buffers)
         return self._call(args, kwargs, values, read_buffers)
 

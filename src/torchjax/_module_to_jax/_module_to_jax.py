@@ -13,7 +13,6 @@
 # and messages; the copies, placeholders and the move live in their own modules.
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -38,8 +37,10 @@ from torchjax._module_to_jax._copies import ModuleState
 from torchjax._module_to_jax._move import move_out
 from torchjax._primitive._params import ARRAY
 from torchjax._to_jax._call._guard import same_bytes
-from torchjax._to_jax._options import GradMethod, VmapMethod, VmapRandomness
-from torchjax._to_jax._to_jax import to_jax
+from torchjax._to_jax._context import SEEDED
+from torchjax._to_jax._hooks import CallHooks
+from torchjax._to_jax._options import GradMethod, Options, VmapMethod, VmapRandomness
+from torchjax._to_jax._to_jax import wrap
 
 __all__ = ["module_to_jax"]
 
@@ -79,10 +80,6 @@ def _is_fake_call(params: Any, buffers: Any, args: tuple, kwargs: dict) -> bool:
         if isinstance(leaf, torch.Tensor):
             return _is_fake(leaf)
     return detect_fake_mode() is not None
-
-
-# A seed sets torch's global generator, which every thread shares: seeded calls take turns.
-_seeded = threading.RLock()
 
 
 class _Apply:
@@ -137,7 +134,7 @@ class _Apply:
             if seed is None:  # torch's global generator, advancing as in plain PyTorch
                 return state.call(args, kwargs, values, mutable)
             # A generator state derived from the JAX key, leaving the global one alone.
-            with _seeded, torch.random.fork_rng(devices=[]):
+            with SEEDED, torch.random.fork_rng(devices=[]):
                 torch.manual_seed(int(seed.item()))
                 return state.call(args, kwargs, values, mutable)
 
@@ -167,19 +164,26 @@ class _Apply:
             return _flat_forward(self, in_tree, template, mutable)
 
         forward.__name__ = forward.__qualname__ = f"{name}.forward"
-        forward.flat_form = flat_form  # see CallPlan: real calls skip rebuilding the tree
-        forward.isolates_state = True  # fake runs use a throwaway copy (see fake_eval)
-        forward.seeded = seeded  # its draws are a function of its inputs (UserFunction.facts)
-        # Eager calls run for real at once: variables are checked on each signature's first.
-        forward.check_signature = lambda p, b, *_, **__: state.check(name, p, b)
-        forward.describe_path = _describe_path  # messages name variables[...], args[i]
+        hooks = CallHooks(
+            for_module=True,
+            describe_path=_describe_path,  # messages name variables[...], args[i]
+            parameter_paths=_PARAMS,
+            buffer_paths=_BUFFERS,
+            flat_form=flat_form,  # see CallPlan: real calls skip rebuilding the tree
+            # Eager calls run for real at once: variables are checked on each signature's
+            # first call.
+            check_signature=lambda p, b, *_, **__: state.check(name, p, b),
+            isolates_state=True,  # fake runs use a throwaway copy (see fake_eval)
+            seeded=seeded,  # its draws are a function of its inputs (UserFunction.facts)
+        )
         options = dict(self.options)
         if seeded:  # a seed read with .item() cannot be batched: one call per example
             options["vmap_method"] = "sequential"
         declared = None
         if self.result_shape_dtypes is not None:
             declared = self._declared(mutable)
-        return to_jax(forward, result_shape_dtypes=declared, **options)
+        checked = Options.checked(**options)
+        return wrap(forward, declared, checked, hooks)
 
     def _fake_forward(self, params, buffers, args, kwargs, mutable: bool) -> Any:
         """forward on fake tensors (to_jax's shape inference), in a throwaway copy."""
@@ -296,11 +300,14 @@ def _flat_forward(impl: _Apply, in_tree: Any, template: list, mutable: bool) -> 
     return call
 
 
+_PARAMS, _BUFFERS = "variables['params']", "variables['buffers']"
+
+
 def _describe_path(path: tuple) -> str:
     """A path into forward's (params, buffers, args, kwargs) as the user wrote apply's call."""
     group = getattr(path[1], "idx", None) if len(path) > 1 else None
     rest = _tree.keystr(tuple(path[2:]))
-    names = {0: "variables['params']", 1: "variables['buffers']", 2: "args", 3: "kwargs"}
+    names = {0: _PARAMS, 1: _BUFFERS, 2: "args", 3: "kwargs"}
     return names.get(group, "args") + rest
 
 
@@ -406,7 +413,7 @@ def module_to_jax(
         "vmap_randomness": vmap_randomness,
         "grad_method": grad_method,
     }
-    to_jax(lambda: None, **options)  # validates the choices now, with to_jax's messages
+    Options.checked(**options)  # validates the choices now, with to_jax's messages
     if not (isinstance(copy, bool) or (isinstance(copy, str) and copy == "move")):
         raise ArgumentError(
             f"module_to_jax: copy={copy!r} is not one of its choices: True (variables are "

@@ -16,6 +16,7 @@ from torchjax._compat._torch import any_autocast, autocast_state
 from torchjax._convert import is_array
 from torchjax._errors import ArgumentError, StaticArgumentError
 from torchjax._to_jax._callables._user import UserFunction
+from torchjax._to_jax._hooks import NO_HOOKS, CallHooks
 from torchjax._to_jax._options import GradMethod, Options, VmapMethod, VmapRandomness
 from torchjax._to_jax._torch_call import torch_call_p
 from torchjax._to_jax._torch_call._impl import MISS
@@ -118,7 +119,15 @@ def to_jax(
             f"{type(fn).__name__}. Pass the function itself: to_jax(fn), or use @to_jax."
         )
     options = Options.checked(vmap_method, vmap_randomness, grad_method)
-    user = UserFunction(fn, result_shape_dtypes)
+    return wrap(fn, result_shape_dtypes, options)
+
+
+def wrap(
+    fn: Callable, result_shape_dtypes: Any, options: Options, hooks: CallHooks = NO_HOOKS
+) -> Callable:
+    """to_jax's function for `fn`, whose `hooks` tell the call machinery about it
+    (module_to_jax's forward: CallHooks)."""
+    user = UserFunction(fn, result_shape_dtypes, hooks)
     params = torch_call_p._bound_params({"fn": user, "options": options})
 
     @functools.wraps(fn)

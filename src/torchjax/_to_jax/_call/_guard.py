@@ -85,9 +85,10 @@ _getrefcount, _getweakrefcount = sys.getrefcount, weakref.getweakrefcount
 
 
 def inplace_error(
-    name: str, path: str, how: str, metadata: bool = False, func: Any = None
+    name: str, path: str, how: str, metadata: bool = False, func: Any = None, parameter=False
 ) -> InPlaceMutationError:
-    """The error for a write into input `path`; `func` is the op that writes, where known."""
+    """The error for a write into input `path`; `func` is the op that writes, where known;
+    `parameter`: the input is a module's parameter (module_to_jax's CallHooks say so)."""
     if metadata:
         return InPlaceMutationError(METADATA_MESSAGE.format(name=name, path=path, how=how))
     fix = _FIX_ANY  # (an op whose out-of-place form torch lacks, e.g. zero_, gets this)
@@ -99,7 +100,7 @@ def inplace_error(
             fix = _FIX_IN_PLACE.format(op=op[:-1])
         elif out and hasattr(torch, op):
             fix = _FIX_OUT.format(op=op)
-    if path.startswith("variables['params']"):  # module_to_jax's (its _describe_path)
+    if parameter:
         fix = _FIX_PARAMETER
     return InPlaceMutationError(INPLACE_MESSAGE.format(name=name, path=path, how=how, fix=fix))
 
@@ -166,8 +167,11 @@ class WriteGuard(TorchDispatchMode):
     is refused with a message that says it changes no data.
     """
 
-    def __init__(self, inputs: list, paths: list, name: str, made: Any = None):
+    def __init__(
+        self, inputs: list, paths: list, name: str, made: Any = None, is_parameter: Any = None
+    ):
         super().__init__()
+        self.is_parameter = is_parameter  # (path) -> whether it is a module's parameter
         pairs = zip(inputs, paths, strict=True)
         self.storages = {StorageWeakRef(t.untyped_storage()): p for t, p in pairs}
         self.name = name
@@ -186,7 +190,8 @@ class WriteGuard(TorchDispatchMode):
                     if path is not None:
                         metadata = torch.Tag.inplace_view in func.tags
                         how = f"{func}, seen while inferring output shapes"
-                        raise inplace_error(self.name, path, how, metadata, func)
+                        parameter = self.is_parameter is not None and self.is_parameter(path)
+                        raise inplace_error(self.name, path, how, metadata, func, parameter)
         if _SEEDED in func.tags:
             self.draws = True
         out = func(*args, **kwargs)

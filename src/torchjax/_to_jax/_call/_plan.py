@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +53,8 @@ from torchjax._to_jax._call._guard import (
     same_bytes,
 )
 from torchjax._to_jax._call._outputs import as_jax_tree
+from torchjax._to_jax._context import WARNED_COPIES
+from torchjax._to_jax._context import autograd_inside as _autograd
 
 _tree = jax.tree_util
 _version = tensor_version
@@ -66,15 +66,6 @@ _WROTE = (
     "argument; torch refused it, and the caller's array is unchanged"
 )
 _ON_COPY = "an in-place op, seen on the copy this function runs on"
-
-
-class _AutogradInside(threading.local):
-    depth = 0
-
-
-# While above 0, derived calls on this thread differentiate with torch.autograd and batch
-# by a loop: the function runs autograd itself, which torch.func transforms cannot follow.
-_autograd = _AutogradInside()
 
 
 def autograd_inside() -> bool:
@@ -123,7 +114,7 @@ class CallPlan:
         self.direct = flat_fn if in_tree == positional and not self.has_statics else None
         # A function may offer its own flat form for other structures (module_to_jax's
         # forward: the variables straight into the module, no tree rebuilt per call).
-        flat_form = getattr(flat_fn, "flat_form", None)
+        flat_form = fn.root.hooks.flat_form if flat_fn is not None else None
         if self.direct is None and flat_form is not None:
             self.direct = flat_form(in_tree, self.template)
         if self.direct is None and flat_fn is not None and not self.has_statics:
@@ -304,16 +295,20 @@ class CallPlan:
             self._raise_failure(e, copies)
         for k, (t, c) in enumerate(zip(tensors, copies, strict=True)):
             if compare and (tensor_version(c) or not same_bytes(t, c)):
-                raise inplace_error(self.name, self.input_path(k), _WROTE)
+                raise self._inplace_error(k, _WROTE)
             if tensor_version(c):
-                raise inplace_error(self.name, self.input_path(k), _ON_COPY)
-        if compare and not self.on_copies and self.fn.root not in _WARNED_COPIES:
-            _WARNED_COPIES.add(self.fn.root)
+                raise self._inplace_error(k, _ON_COPY)
+        if compare and not self.on_copies and self.fn.root not in WARNED_COPIES:
+            WARNED_COPIES.add(self.fn.root)
             at = f", at {self.refused_at}" if self.refused_at else ""
             warn(ON_COPIES.format(name=self.name, at=at), CopyWarning)
         self.on_copies = True
         self.plain = False
         return out
+
+    def _inplace_error(self, k: int, how: str) -> Exception:
+        path = self.input_path(k)
+        return inplace_error(self.name, path, how, parameter=self.fn.root.hooks.is_parameter(path))
 
     def __call__(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Run fn on `tensors`; return its flat outputs as tensors of the declared shapes.
@@ -541,9 +536,6 @@ def _innermost_line(error: BaseException) -> str:
         tb = tb.tb_next
     code = tb.tb_frame.f_code
     return f"{code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno} in {code.co_name}"
-
-
-_WARNED_COPIES: weakref.WeakSet = weakref.WeakSet()  # functions told once
 
 
 class _RetryWithAutograd(Exception):

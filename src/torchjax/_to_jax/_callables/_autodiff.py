@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any
 
 import jax
@@ -32,6 +31,7 @@ from torchjax._to_jax._callables._base import (
     device_of,
     unbatched_residual,
 )
+from torchjax._to_jax._context import FORWARD_AD, GRAPHS, OUTPUT_BUFFERS
 from torchjax._to_jax._torch_ops._autograd import (
     AUTODIFF_HINT,
     AUTOGRAD_HINT,
@@ -47,8 +47,6 @@ from torchjax._to_jax._torch_ops._autograd import (
     stack_batch,
 )
 from torchjax._to_jax._torch_ops._residual import (
-    GRAPHS,
-    OUTPUT_BUFFERS,
     replaying,
 )
 from torchjax._to_jax._torch_ops._vmap import (
@@ -139,7 +137,7 @@ class _Derivative(DerivedFunction):
         if in_tree is not None:
             paths = leaf_paths(in_tree)  # the primals' leaves come first
             names = [self.arg_path(paths[i]) for i in self.wrt if i < len(paths)]
-        buffers = [n for n in names if n.startswith("variables['buffers']")]
+        buffers = [n for n in names if self.root.hooks.is_buffer(n)]
         if buffers:
             return NOT_DIFFERENTIABLE_BUFFER.format(
                 name=self.root.name, error=text, buffers=", ".join(buffers)
@@ -221,14 +219,6 @@ class JvpFunction(_Derivative):
         every = _tree.tree_leaves(out)
         masked = tuple(s for s, m in zip(every, self.out_mask, strict=True) if m)
         return (*every, *masked) if self.with_primals else masked
-
-
-# torch's forward-mode levels are process-wide, not per thread (torch.autograd.forward_ad
-# keeps the current level in a module global, and its C++ side one stack): two threads in
-# torch.func.jvp at once close or reuse each other's level, and a tangent comes out zero
-# or the call fails. So torch.func.jvp runs in one thread at a time (re-entrant: a JVP of
-# a JVP, or a wrapped function calling another, nests on its own thread).
-FORWARD_AD = threading.RLock()
 
 
 @dataclasses.dataclass(frozen=True)

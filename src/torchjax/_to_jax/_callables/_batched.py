@@ -116,7 +116,7 @@ class BatchedFunction(DerivedFunction):
             return probe._vmap(leaves, tree, positions, seen=seen)
 
         try:
-            fake_eval(run, args, root.name, root.arg_path, state_of=root.fn)
+            fake_eval(run, args, root.name, root.arg_path, root.fn, hooks=root.hooks)
         except Exception:  # noqa: BLE001 - batched outputs are always right, if wasteful
             return None
         if not seen or all(seen[-1]):
@@ -286,8 +286,8 @@ class BatchedFunction(DerivedFunction):
         return VmapError(self._hint(error))
 
     def _hint(self, error: Exception) -> str:
-        module = getattr(self.root.fn, "describe_path", None) is not None  # module_to_jax's
-        hint = VMAP_HINT.replace("to_jax(fn, ", "module_to_jax(module, ") if module else VMAP_HINT
+        module = self.root.hooks.for_module
+        hint = VMAP_HINT.replace("to_jax(fn, ", self.root.hooks.api)
         if self.randomness == "error" and refuses_randomness(error):
             hint = MODULE_RANDOMNESS_HINT if module else RANDOMNESS_HINT
         return hint.format(name=self.root.name, error=f"{type(error).__name__}: {error}")

@@ -42,10 +42,9 @@ from torchjax._to_jax._callables._autodiff import VjpFunction
 from torchjax._to_jax._callables._base import DerivedFunction, TypesOf, unbatched_residual
 from torchjax._to_jax._callables._batched import BatchedFunction
 from torchjax._to_jax._callables._kept import KeptForward
+from torchjax._to_jax._context import GRAPHS, OUTPUT_BUFFERS
 from torchjax._to_jax._torch_ops._autograd import outermost
 from torchjax._to_jax._torch_ops._residual import (
-    GRAPHS,
-    OUTPUT_BUFFERS,
     KeptGraph,
     held_count,
     recording,

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any
 
 import jax
@@ -21,6 +20,7 @@ from torchjax._compat._messages import (
 )
 from torchjax._to_jax._callables._autodiff import _Derivative
 from torchjax._to_jax._callables._base import DerivedFunction, TypesOf, device_of
+from torchjax._to_jax._context import GRAPHS, OUTPUT_BUFFERS, WARMED
 from torchjax._to_jax._fake._run import (
     default_torch_device,
 )
@@ -29,8 +29,6 @@ from torchjax._to_jax._torch_ops._autograd import (
     outermost,
 )
 from torchjax._to_jax._torch_ops._residual import (
-    GRAPHS,
-    OUTPUT_BUFFERS,
     KeptGraph,
     held_count,
     recording,
@@ -43,10 +41,6 @@ from torchjax._to_jax._torch_ops._residual import (
 _tree = jax.tree_util
 
 _tree = jax.tree_util
-
-
-# The user's functions a ForwardResiduals has run once (see there).
-_WARMED: weakref.WeakSet = weakref.WeakSet()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,9 +139,9 @@ class ForwardResiduals(DerivedFunction):
 
     def _call(self, *args: Any) -> tuple:
         root = self.inner.root
-        if root not in _WARMED:
+        if root not in WARMED:
             *_, handle, state = dataclasses.replace(self.inner, keep_graph=False)(*args)
-            _WARMED.add(root)
+            WARMED.add(root)
             return handle, state
         device = device_of(args)
         device = device if device is not None else default_torch_device()  # as the forward

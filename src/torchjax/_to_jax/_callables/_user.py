@@ -38,6 +38,7 @@ from torchjax._to_jax._fake._run import (
     function_name,
     owner_classes,
 )
+from torchjax._to_jax._hooks import NO_HOOKS, CallHooks
 from torchjax._to_jax._torch_ops._autocast import InAutocast
 
 _tree = jax.tree_util
@@ -64,6 +65,8 @@ class UserFunction(TorchCallable):
 
     fn: Callable
     result_shape_dtypes: Any = None
+    # What a caller that wraps its own function (module_to_jax) tells the call machinery.
+    hooks: CallHooks = NO_HOOKS
     # The primitive's params bound with this function or one derived from it, kept here
     # rather than in a global cache so that they die with the function (to_jax empties it
     # when its wrapper dies: the params refer back to this object).
@@ -95,14 +98,16 @@ class UserFunction(TorchCallable):
 
     def __reduce__(self) -> Any:
         # Pickled (to another process) without this process's caches.
-        return (_user_function, (self.fn, self.result_shape_dtypes, self.autocast))
+        return (_user_function, (self.fn, self.result_shape_dtypes, self.autocast, self.hooks))
 
     def variant(self, autocast: tuple) -> UserFunction:
         """This function as called in autocast state `autocast` (kept: jit caches hit)."""
         found = self.variants.get(autocast)
         if found is None:
             fn = InAutocast(self.fn, autocast)
-            found = UserFunction(fn, self.result_shape_dtypes, autocast=autocast)
+            # A flat form would call the function outside the state it must run in.
+            hooks = dataclasses.replace(self.hooks, flat_form=None)
+            found = UserFunction(fn, self.result_shape_dtypes, hooks, autocast=autocast)
             self.variants[autocast] = found
         return found
 
@@ -124,7 +129,7 @@ class UserFunction(TorchCallable):
     def arg_path(self, path: tuple) -> str:
         # bind's args are (args, kwargs): report paths as the user wrote the call, or as the
         # function describes its own arguments (module_to_jax's forward: variables[...]).
-        describe = getattr(self.fn, "describe_path", None)
+        describe = self.hooks.describe_path
         if describe is not None:
             return describe(path)
         head = "args" if path[0].idx == 0 else "kwargs"
@@ -174,8 +179,10 @@ class UserFunction(TorchCallable):
         target = fake_target(self.fn)
         try:
             call = lambda a, k: as_jax_tree(call_widening(target, self.facts, *a, **k))
-            facts = {} if getattr(self.fn, "seeded", False) else self.facts
-            return fake_eval(call, args, self.name, self.arg_path, state_of=self.fn, facts=facts)
+            facts = {} if self.hooks.seeded else self.facts
+            return fake_eval(
+                call, args, self.name, self.arg_path, self.fn, facts=facts, hooks=self.hooks
+            )
         except TorchJaxError:
             raise
         except Exception as e:
@@ -216,8 +223,7 @@ class UserFunction(TorchCallable):
             text += f"The fake run stopped in {where}.\n"
         if is_nested_fast_path(error):
             text += NESTED_HINT
-        module = getattr(self.fn, "describe_path", None) is not None  # module_to_jax's
-        declare = "module_to_jax(module, " if module else "to_jax(fn, "
+        declare = self.hooks.api
         if read_a_value(error):
             reader = _reading_frame(error)
             text += f"It read a value at {reader}\n" if reader else ""
@@ -231,8 +237,8 @@ class UserFunction(TorchCallable):
         return _theirs(error, self.name)
 
 
-def _user_function(fn: Any, result_shape_dtypes: Any, autocast: tuple) -> UserFunction:
-    return UserFunction(fn, result_shape_dtypes, autocast=autocast)
+def _user_function(fn: Any, result_shape_dtypes: Any, autocast: tuple, hooks: Any) -> UserFunction:
+    return UserFunction(fn, result_shape_dtypes, hooks, autocast=autocast)
 
 
 VALUE_READ_HINT = """\

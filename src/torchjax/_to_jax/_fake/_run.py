@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import inspect
-import threading
 import traceback
 from typing import Any
 
@@ -28,25 +27,12 @@ from torchjax._compat._torch import (
 from torchjax._convert import canonical_jax_dtype, check_has_data, torch_dtype
 from torchjax._errors import ConversionError, OutputMismatchError
 from torchjax._to_jax._call._guard import WriteGuard, check_versions
+from torchjax._to_jax._context import FAKE_RUN_LOCK, failed_fake_run, fake_runs
 from torchjax._to_jax._fake._isolation import FakeRunState
+from torchjax._to_jax._hooks import NO_HOOKS, CallHooks
 from torchjax._to_jax._torch_ops._autocast import InAutocast
 
 _tree = jax.tree_util
-
-# Fake runs are rare (cached) and FakeTensorMode is process-wide state in places; one at a
-# time keeps concurrent first calls from different threads from interleaving. Reentrant: a
-# wrapped function may call another wrapped function, whose first call fake-runs it too.
-_fake_lock = threading.RLock()
-
-
-class _FakeDepth(threading.local):
-    depth = 0
-
-
-# How many fake runs enclose the current thread's code. An eager torchjax call made from
-# inside one (a wrapped function calling another on concrete JAX arrays) runs for real, so
-# it leaves the fake mode while it does (see real_mode()).
-fake_runs = _FakeDepth()
 
 
 def function_name(fn: Any) -> str:
@@ -146,6 +132,7 @@ def fake_eval(
     describe: Any = None,
     state_of: Any = None,
     facts: dict | None = None,
+    hooks: CallHooks = NO_HOOKS,
 ) -> Any:
     """Run `fn(*args)` on fake tensors; return its output as a pytree of ShapeDtypeStruct.
 
@@ -160,10 +147,11 @@ def fake_eval(
       name: the user-facing function name, for messages.
       describe: maps a leaf's key path to its name in messages (default ``args[i]...``).
       state_of: the user's callable, whose reachable state the run may touch (default
-        `fn`); one that isolates its own state (``isolates_state = True``: module_to_jax's
-        forward) is not searched.
+        `fn`); not searched where `hooks` say it isolates its own state (module_to_jax's
+        forward).
       facts: a dict to record in what the run saw besides types: ``facts["draws"]``,
         whether an op drew random numbers.
+      hooks: what the user's function tells the call machinery (CallHooks).
 
     Raises:
       InPlaceMutationError: `fn` writes into an input (or changes one in place).
@@ -173,10 +161,10 @@ def fake_eval(
     state_of = fn if state_of is None else state_of
     # torch logs every meta kernel that raises; this run re-raises what it meets.
     quiet_fake_tensor_log(lambda: fake_runs.depth > 0)
-    with _fake_lock:
-        touched = FakeRunState(state_of, name, getattr(state_of, "isolates_state", False))
+    with FAKE_RUN_LOCK:
+        touched = FakeRunState(state_of, name, hooks.isolates_state)
         try:
-            types, draws = _fake_run(fn, args, name, describe or _path_of, touched)
+            types, draws = _fake_run(fn, args, name, describe or _path_of, touched, hooks)
             if facts is not None:
                 facts["draws"] = facts.get("draws", False) or draws
         except BaseException as failure:
@@ -196,7 +184,7 @@ def fake_eval(
 
 # The class of `self` in each frame of the last failed fake run's traceback (per thread),
 # taken before those frames drop their locals (fake_eval).
-_failed = threading.local()
+_failed = failed_fake_run
 
 
 def _keep_owner_classes(failure: BaseException) -> None:
@@ -220,7 +208,9 @@ def owner_classes(error: BaseException) -> list:
     return owners
 
 
-def _fake_run(fn: Any, args: tuple, name: str, describe: Any, touched: FakeRunState) -> Any:
+def _fake_run(
+    fn: Any, args: tuple, name: str, describe: Any, touched: FakeRunState, hooks: CallHooks
+) -> Any:
     """fake_eval's run itself, returning (types, whether it drew random numbers); every
     tensor it makes is tracked, and none outlives it here."""
     device = default_torch_device()
@@ -250,7 +240,7 @@ def _fake_run(fn: Any, args: tuple, name: str, describe: Any, touched: FakeRunSt
             else:
                 values.append(leaf)
         versions = [tensor_version(t) for t in fakes]
-        guard = WriteGuard(fakes, paths, name, made=touched.track)
+        guard = WriteGuard(fakes, paths, name, made=touched.track, is_parameter=hooks.is_parameter)
         with guard:
             out = fn(*_tree.tree_unflatten(tree, values))
 

@@ -15,12 +15,11 @@ import torch
 from torchjax._convert import SUPPORTED_DTYPES, torch_dtype
 from torchjax._errors import ConversionError, ShardingWarning, warn
 from torchjax._to_jax._callables._base import DerivedFunction
+from torchjax._to_jax._context import DTYPES_OK
 from torchjax._to_jax._options import Options
 from torchjax._to_jax._torch_call._primitive import torch_call_p
 
 _tree = jax.tree_util
-
-DTYPES_OK: set = set()  # input dtypes known to convert
 
 
 def check_input_dtype(where: str, dtype: Any) -> None:

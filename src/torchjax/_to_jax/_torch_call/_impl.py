@@ -60,9 +60,9 @@ from torchjax._to_jax._call._plan import (
 )
 from torchjax._to_jax._callables._base import layout
 from torchjax._to_jax._callables._user import UserFunction, types_key
-from torchjax._to_jax._fake._run import fake_runs, output_struct, real_mode
+from torchjax._to_jax._context import DTYPES_OK, fake_runs
+from torchjax._to_jax._fake._run import output_struct, real_mode
 from torchjax._to_jax._torch_call._abstract_eval import (
-    DTYPES_OK,
     check_input_dtype,
     check_no_tensor,
 )
@@ -451,7 +451,7 @@ def real_run(operands: list, in_tree: Any, statics: tuple, params: tuple, memo: 
         fn = dict(params)["fn"]
         args = _tree.tree_unflatten(in_tree, _fill(statics, operands))
         check_no_tensor(fn, args)
-        check = getattr(fn.fn, "check_signature", None) if type(fn) is UserFunction else None
+        check = fn.hooks.check_signature if type(fn) is UserFunction else None
         if check is not None:
             check(*args[0], **args[1])
         dtypes = [x.dtype for x in operands]

@@ -45,9 +45,9 @@ from torchjax._to_jax._call._plan import CallPlan, plan_for, plan_parts
 from torchjax._to_jax._callables._autodiff import VjpFunction
 from torchjax._to_jax._callables._batched_kept import BatchedKeptVjp
 from torchjax._to_jax._callables._kept import KeptForward
+from torchjax._to_jax._context import OUTPUT_BUFFERS
 from torchjax._to_jax._torch_call._callback_errors import as_reported
 from torchjax._to_jax._torch_call._primitive import torch_call_p
-from torchjax._to_jax._torch_ops._residual import OUTPUT_BUFFERS
 
 try:
     from jax.experimental.buffer_callback import buffer_callback

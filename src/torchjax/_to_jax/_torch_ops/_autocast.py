@@ -15,13 +15,13 @@ from typing import Any
 from torchjax._compat._torch import COMPILED_ORIGINAL_ATTRS, autocast_as
 
 # Attributes of the user's function that torchjax reads and that must not bypass the state:
-# a flat form calls the module directly; a compiled function's original is fake-run bare.
-_HIDDEN = frozenset({"flat_form", *COMPILED_ORIGINAL_ATTRS})
+# a compiled function's original is fake-run bare.
+_HIDDEN = frozenset(COMPILED_ORIGINAL_ATTRS)
 
 
 class InAutocast:
     """`fn` run in autocast state `state` (autocast_state's form), called as fn is; other
-    attributes read through to fn (a module forward's describe_path, seeded, ...)."""
+    attributes read through to fn."""
 
     def __init__(self, fn: Any, state: tuple):
         self.fn, self.state = fn, state

@@ -23,11 +23,8 @@
 # backward. See `hold` and `HeldState`.
 from __future__ import annotations
 
-import collections
 import contextlib
-import itertools
 import sys
-import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -43,6 +40,7 @@ from torchjax._compat._torch import (
     tensor_version,
 )
 from torchjax._to_jax._call._cuda import forward_stream, ordered_with
+from torchjax._to_jax._context import holding as _holding
 
 _getrefcount = sys.getrefcount
 
@@ -62,12 +60,6 @@ def _input_of(leaf: torch.Tensor, inputs: list[torch.Tensor]) -> int | None:
         ):
             return k
     return None
-
-
-# Kept graphs whose VJP never runs (XLA dropped it, an exception came in between, a forward-
-# only use) must not accumulate: the oldest are evicted, and their VJPs recompute.
-MAX_GRAPHS = 256
-MAX_GRAPH_BYTES = 2 * 2**30
 
 
 class KeptGraph:
@@ -268,21 +260,6 @@ def _write_into(
     return filled
 
 
-class OutputBuffers(threading.local):
-    """XLA's output buffers of the jitted call running on this thread, for a VJP that can
-    write its gradients there itself (set by the lowering for a VjpFunction only)."""
-
-    buffers: list | None = None
-
-    def take(self) -> list | None:
-        """The buffers, once: the first to ask gets them (a call nested in the VJP, none)."""
-        buffers, self.buffers = self.buffers, None
-        return buffers
-
-
-OUTPUT_BUFFERS = OutputBuffers()
-
-
 class HeldState:
     """What a forward leaves in use that its backward may read again (interface).
 
@@ -302,15 +279,6 @@ class HeldState:
     def release(self) -> None:
         """Done: nothing will read it again."""
         raise NotImplementedError
-
-
-class _Holding(threading.local):
-    def __init__(self) -> None:
-        self.depth = 0  # derived torch calls open on this thread
-        self.held: list[HeldState] = []
-
-
-_holding = _Holding()
 
 
 def hold(state: HeldState) -> bool:
@@ -346,43 +314,6 @@ def take_held(since: int = 0) -> list[HeldState]:
     held = _holding.held[since:]
     del _holding.held[since:]
     return held
-
-
-class GraphStore:
-    """Kept graphs by handle (a positive int32), bounded in count and bytes; thread-safe."""
-
-    def __init__(self, max_count: int, max_bytes: int):
-        self.max_count, self.max_bytes = max_count, max_bytes
-        self._graphs: collections.OrderedDict[int, KeptGraph] = collections.OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self._next = itertools.count(1)
-
-    def put(self, graph: KeptGraph) -> int:
-        with self._lock:
-            handle = next(self._next) % (2**31 - 1) + 1
-            self._graphs[handle] = graph
-            self._bytes += graph.nbytes
-            while self._graphs and (
-                len(self._graphs) > self.max_count or self._bytes > self.max_bytes
-            ):
-                _, old = self._graphs.popitem(last=False)
-                self._bytes -= old.nbytes
-            return handle if handle in self._graphs else 0
-
-    def take(self, handle: int) -> KeptGraph | None:
-        """The graph kept under `handle`, removed from the store; None if it is gone."""
-        with self._lock:
-            graph = self._graphs.pop(handle, None)
-            if graph is not None:
-                self._bytes -= graph.nbytes
-            return graph
-
-    def __len__(self) -> int:
-        return len(self._graphs)
-
-
-GRAPHS = GraphStore(MAX_GRAPHS, MAX_GRAPH_BYTES)
 
 
 class _Leaf:
