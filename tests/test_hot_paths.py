@@ -642,3 +642,125 @@ def test_a_dropped_wrapper_frees_its_function_at_once():
         assert jax_side() is None
     finally:
         gc.enable()
+
+
+# ------------------------------------- every mirror of _hot.py against its reference
+# _hot.py writes out again, for speed, steps whose reference lives elsewhere. Each style
+# below reaches one mirror on its second call; with _hot.ENABLED off the same calls take
+# the references. The two must agree on every route: what the call returns or raises,
+# what it warns, the caller's arrays, and what a kept input reads afterwards.
+
+
+def _write(x, kept):
+    x.add_(1)
+    return x * 2
+
+
+def _data_write(x, kept):
+    x.data.mul_(2)
+    return x * 2
+
+
+def _pointer_reader(x, kept):
+    return torch.from_numpy(x.numpy() * 2)  # asks for a writable pointer, writes nothing
+
+
+def _fresh(x, kept):
+    return torch.sin(x) * 2
+
+
+def _the_input(x, kept):
+    return x
+
+
+def _kept_input(x, kept):
+    kept.append(x)
+    return x * 2
+
+
+ROUTES = [_write, _data_write, _pointer_reader, _fresh, _the_input, _kept_input]
+
+# style: (jitted, number of inputs, two outputs, the mirror it reaches)
+STYLES = {
+    "eager f(x)": (False, 1, False, "eager_call, guarded_call_one"),
+    "eager f(x, y)": (False, 2, False, "eager_call, guarded_call"),
+    "jit f(x)": (True, 1, False, "jit_hot_host_one"),
+    "jit f(x, y)": (True, 2, False, "jit_hot_host, guarded_call"),
+    "jit f(x, y) -> (a, b)": (True, 2, True, "jit_host"),
+}
+
+
+def _outcome(style: str, route, enabled: bool, monkeypatch) -> tuple[dict, int]:
+    """What the second and third calls of `route` in `style` did, and how often the
+    references ran during the second call."""
+    from torchjax._to_jax import _hot
+    from torchjax._to_jax._call._plan import CallPlan
+    from torchjax._to_jax._torch_call import _lowering
+
+    jitted, n_in, two_out, _ = STYLES[style]
+    monkeypatch.setattr(_hot, "ENABLED", enabled)
+    armed, kept = [False], []
+
+    def fn(*ts):
+        # The route on the second call only (and on its rerun on copies, where it asks).
+        out = route(ts[0], kept) if armed[0] else ts[0] * 2
+        return (out, out.sum() + 1) if two_out else out
+
+    f = torchjax.to_jax(fn)
+    f = jax.jit(f) if jitted else f
+    args = [[jnp.arange(4.0) + k + 10 * i for i in range(n_in)] for k in range(3)]
+    copies = [[np.array(a) for a in call] for call in args]
+    jax.block_until_ready(f(*args[0]))
+    references = [0]
+
+    def counted(owner, name):
+        real = getattr(owner, name)
+
+        def spy(*a, **k):
+            references[0] += 1
+            return real(*a, **k)
+
+        monkeypatch.setattr(owner, name, spy)
+
+    counted(torch_call_p, "_bind")
+    counted(_lowering, "_run_into")
+    if not two_out:
+        counted(CallPlan, "run")
+    seen: dict = {}
+    armed[0] = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = jax.block_until_ready(f(*args[1]))
+            seen["out"] = [np.asarray(o).tolist() for o in jax.tree_util.tree_leaves(out)]
+        except Exception as e:  # noqa: BLE001 - the outcome compared
+            # (Under jit, XLA's error holds the message after a traceback: its frames
+            # are the code that ran, not what it said.)
+            said = [line for line in str(e).splitlines() if line and not line[0].isspace()]
+            seen["raised"] = (type(e).__name__, *(said[1:] if jitted else said))
+    armed[0] = False
+    ran_references = references[0]
+    seen["warned"] = sorted({w.category.__name__ for w in caught})
+    jax.block_until_ready(f(*args[2]))  # XLA may reuse the second call's buffers now
+    seen["kept"] = [t.detach().clone().cpu().numpy().tolist() for t in kept]  # (read-only)
+    for call, saved in zip(args, copies, strict=True):
+        for a, c in zip(call, saved, strict=True):
+            np.testing.assert_array_equal(a, c)  # the caller's arrays, unchanged
+    return seen, ran_references
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: r.__name__.strip("_"))
+@pytest.mark.parametrize("style", list(STYLES))
+def test_each_mirror_agrees_with_its_reference(style, route, monkeypatch):
+    mirror, took_the_mirror = _outcome(style, route, True, monkeypatch)
+    monkeypatch.undo()
+    reference, took_the_reference = _outcome(style, route, False, monkeypatch)
+    assert mirror == reference, STYLES[style][3]
+    assert took_the_mirror == 0, f"the second call did not take {STYLES[style][3]}"
+    assert took_the_reference > 0
+    if route is _write or route is _data_write:  # (under jit, inside XLA's error)
+        assert "InPlaceMutationError" in " ".join(reference["raised"])
+    if route is _kept_input:
+        assert reference["kept"] == [(np.arange(4.0) + 1).tolist()]
+    if route is _pointer_reader:
+        assert "CopyWarning" in reference["warned"]

@@ -315,20 +315,18 @@ def test_a_step_copies_no_input(jit, monkeypatch):
     # The kept graph must not make the call copy its inputs: neither by running it on
     # copies (a protected input asked for a writable pointer) nor by giving XLA's buffers
     # a private copy because the graph keeps the parameters alive (copy_kept_inputs).
+    from torchjax._to_jax._call import _guard
     from torchjax._to_jax._call import _plan as _call_plan
-    from torchjax._to_jax._torch_call import _lowering as _rule_lowering
 
     copied = []
     on_copies = _call_plan.CallPlan.invoke_on_copies
-    released = _rule_lowering.copy_kept_inputs
+    swap = _guard.swap_storage_data  # copy_kept_inputs' copy of a kept input's memory
     monkeypatch.setattr(
         _call_plan.CallPlan,
         "invoke_on_copies",
         lambda self, *a, **k: copied.append("on copies") or on_copies(self, *a, **k),
     )
-    monkeypatch.setattr(
-        _rule_lowering, "copy_kept_inputs", lambda t: copied.append("copy") or released(t)
-    )
+    monkeypatch.setattr(_guard, "swap_storage_data", lambda *a: copied.append("copy") or swap(*a))
     step = jax.value_and_grad(torchjax.to_jax(_mlp_loss))
     step = jax.jit(step) if jit else step
     for _ in range(3):
@@ -339,9 +337,15 @@ def test_a_step_copies_no_input(jit, monkeypatch):
     tree_close(grads["w1"], ref_grads["w1"])
 
 
-def test_a_function_that_keeps_its_input_still_reads_the_call_values():
+def test_a_function_that_keeps_its_input_still_reads_the_call_values(monkeypatch):
     # The leaf it keeps is not emptied (the graph is not its only holder), and under jit
-    # its memory is its own after the call: later reads see this call's values.
+    # its memory is its own after the call: later reads see this call's values (the copy
+    # test_a_step_copies_no_input watches for is made here).
+    from torchjax._to_jax._call import _guard
+
+    copies = []
+    swap = _guard.swap_storage_data
+    monkeypatch.setattr(_guard, "swap_storage_data", lambda *a: copies.append(1) or swap(*a))
     kept = []
 
     def loss(w, x):
@@ -353,6 +357,7 @@ def test_a_function_that_keeps_its_input_still_reads_the_call_values():
     f(w, X)
     jax.block_until_ready(f(w * 2, X))
     np.testing.assert_allclose(kept[-1].detach().cpu().numpy(), np.asarray(w * 2), rtol=1e-6)
+    assert copies  # the kept input got memory of its own
 
 
 # ------------------------------------------- gradients written into XLA's output buffers

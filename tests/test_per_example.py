@@ -143,15 +143,13 @@ def test_a_jitted_per_example_step_copies_no_input(monkeypatch):
     # The batched leaves (parameters expanded with stride 0) are emptied after the forward
     # and rebuilt from the VJP's inputs, so the call never gives XLA's input buffers a
     # private copy (_guard.copy_kept_inputs), nor runs on copies.
+    from torchjax._to_jax._call import _guard
     from torchjax._to_jax._call import _plan as _call_plan
-    from torchjax._to_jax._torch_call import _lowering as _rule_lowering
 
     copied = []
-    released = _rule_lowering.copy_kept_inputs
+    swap = _guard.swap_storage_data  # copy_kept_inputs' copy of a kept input's memory
     on_copies = _call_plan.CallPlan.invoke_on_copies
-    monkeypatch.setattr(
-        _rule_lowering, "copy_kept_inputs", lambda t: copied.append("copy") or released(t)
-    )
+    monkeypatch.setattr(_guard, "swap_storage_data", lambda *a: copied.append("copy") or swap(*a))
     monkeypatch.setattr(
         _call_plan.CallPlan,
         "invoke_on_copies",

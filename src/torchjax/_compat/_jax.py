@@ -258,7 +258,7 @@ def concrete_value(x: Any) -> Any:
 
 
 # The folder of jax's own frames, which its traceback filter hides (and so does the text of
-# a torch error under jit: _torch_call/_callback_errors.py).
+# a torch error under jit: _call/_callback_errors.py).
 JAX_SOURCE_DIR = os.path.join(os.path.dirname(jax.__file__), "_src") + os.sep
 
 

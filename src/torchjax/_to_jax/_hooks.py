@@ -1,7 +1,7 @@
 # How a caller that wraps its own function for to_jax (module_to_jax's forward) talks to
 # the call machinery: one frozen object on the user's function (UserFunction.hooks), read
 # by the rules, the plan and the fake run, instead of attributes on the function and tests
-# of its argument names. A plain to_jax function has none (NO_HOOKS).
+# of its argument names. A to_jax function has none (NO_HOOKS).
 from __future__ import annotations
 
 import dataclasses

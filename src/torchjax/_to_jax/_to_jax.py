@@ -17,9 +17,9 @@ from torchjax._convert import is_array
 from torchjax._errors import ArgumentError, StaticArgumentError
 from torchjax._to_jax._callables._user import UserFunction
 from torchjax._to_jax._hooks import NO_HOOKS, CallHooks
+from torchjax._to_jax._hot import MISS
 from torchjax._to_jax._options import GradMethod, Options, VmapMethod, VmapRandomness
 from torchjax._to_jax._torch_call import torch_call_p
-from torchjax._to_jax._torch_call._impl import MISS
 
 
 def _raise_unhashable(user: UserFunction, args: tuple, kwargs: dict) -> None:

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import collections
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 import torch
 
-from torchjax._compat._torch import is_structseq_class, torch_pytree
+from torchjax._compat._torch import is_structseq_class, tensor_from_capsule, torch_pytree
+from torchjax._convert import check_has_data, narrow_checked
 
 _tree = jax.tree_util
 
@@ -120,3 +122,38 @@ def _namedtuple(structseq: type) -> type:
     """One namedtuple class per structseq type, so equal outputs give equal treedefs."""
     n = structseq.n_sequence_fields
     return collections.namedtuple(structseq.__name__, structseq.__match_args__[:n])
+
+
+def write_output(dst: torch.Tensor, value: torch.Tensor, where: str) -> None:
+    """Copy one checked torch result into XLA's output buffer (the one copy on this path).
+
+    `run` has checked shape and dtype; a dtype that still differs is a 64-bit result
+    narrowed because JAX's x64 mode is off, and it must fit. A tensor without data (meta,
+    sparse) is named by its path.
+    """
+    if value.dtype is not dst.dtype:
+        value = narrow_checked(value, dst.dtype, where)
+    try:
+        dst.copy_(value)
+    except Exception:
+        check_has_data(value, where)  # a meta or sparse output: say which
+        raise
+
+
+def write_checked(plan: Any, out: Any, outs: list) -> None:
+    """A hot plan's output other than the one tensor the plan fixes: plan.run's checks
+    (coercions, or the error that says what differs), then the copies into XLA's buffers."""
+    results = plan.check_outputs(out if type(out) is torch.Tensor else as_jax_tree(out), True)
+    del out  # (the output's references: see owns_memory_alone)
+    write_all(results, outs, plan.out_paths, buffer_tensor)
+
+
+def buffer_tensor(buf: Any) -> torch.Tensor:
+    """One of XLA's buffers as a tensor, zero-copy. No stream goes to its __dlpack__: the
+    buffer is ready on XLA's stream, which the callback's torch work runs on."""
+    return tensor_from_capsule(buf.__dlpack__())
+
+
+def write_all(results: Sequence, outs: Sequence, out_paths: Sequence[str], wrap) -> None:
+    for buf, value, where in zip(outs, results, out_paths, strict=True):
+        write_output(wrap(buf), value, where)

@@ -44,6 +44,7 @@ from torchjax._errors import (
     warn,
 )
 from torchjax._primitive._params import ARRAY, is_operand
+from torchjax._to_jax import _hot as hot_paths
 from torchjax._to_jax._call._cuda import gpu_oom_note
 from torchjax._to_jax._call._guard import (
     check_versions,
@@ -124,12 +125,17 @@ class CallPlan:
         self.one_tensor_out = (
             out_tree is not None and out_tree.num_nodes == 1 and out_tree.num_leaves == 1
         )
-        # The signature run() takes a short path for: the user's function called directly,
-        # grad mode off (derived functions need theirs on), one output of known type.
-        # (Unset once it runs on copies.)
-        self.plain = self.direct is not None and self.one_tensor_out and not self.grad_mode
-        if self.plain:
-            self.plain_dtype, self.plain_shape = self.out_dtypes[0], self.out_shapes[0]
+        # A hot plan's calls take the inlined steps of _hot.py: the user's function called
+        # directly, in the caller's grad mode (derived functions need theirs on), one output
+        # of known type. (Unset once it runs on copies.)
+        self.hot = (
+            hot_paths.ENABLED
+            and self.direct is not None
+            and self.one_tensor_out
+            and not self.grad_mode
+        )
+        if self.hot:
+            self.hot_dtype, self.hot_shape = self.out_dtypes[0], self.out_shapes[0]
         # Set once fn asked a protected input for a writable pointer without writing (a
         # reader such as .numpy() or a compiled kernel): then it runs on copies.
         self.on_copies = False
@@ -303,7 +309,7 @@ class CallPlan:
             at = f", at {self.refused_at}" if self.refused_at else ""
             warn(ON_COPIES.format(name=self.name, at=at), CopyWarning)
         self.on_copies = True
-        self.plain = False
+        self.hot = False
         return out
 
     def _inplace_error(self, k: int, how: str) -> Exception:
@@ -325,51 +331,16 @@ class CallPlan:
         """__call__; with ``strict=False`` outputs that differ from this plan's types are no
         error (an eager call whose types were a guess from an earlier call): then
         ``(None, [out])``, fn's raw output in a list the caller may empty."""
-        if self.plain:
-            out = self.call_plain(tensors)
+        if self.hot:
+            out = hot_paths.guarded_call(self, tensors)
             if type(out) is _Tensor:
-                if out.dtype is self.plain_dtype and out.shape == self.plain_shape:
+                if out.dtype is self.hot_dtype and out.shape == self.hot_shape:
                     return [out]  # checked
             else:
                 out = as_jax_tree(out)
         else:
             out = self.invoke(tensors)
         return self.check_outputs(out, strict)
-
-    def call_plain(self, tensors: list[torch.Tensor]) -> Any:
-        """invoke() for a plain plan (`plain`: the user's function called directly, in the
-        caller's grad mode), its steps inlined: this runs on every call. Returns fn's output
-        unchecked."""
-        for t in tensors:
-            refuse_writes(t)
-        refused = False
-        try:
-            out = self.direct(*tensors)
-        except Exception as e:
-            refused = self.refused(e, tensors)
-        if refused:
-            return self.invoke_on_copies(tensors, compare=True)
-        for t in tensors:
-            if _version(t):
-                self.raise_mutated(tensors)
-        return out
-
-    def call_plain_one(self, t: torch.Tensor) -> Any:
-        """call_plain for one tensor: the eager shortcut's common fn(x) (the jitted fn(x)
-        callback writes these steps out inline, _rule_lowering._plain_host_one). They are
-        call_plain's written out again rather than shared: a list, loops or a star-call
-        cost 2-3% of a call on 16 floats (measured, both ways)."""
-        refuse_writes(t)
-        refused = False
-        try:
-            out = self.direct(t)
-        except Exception as e:
-            refused = self.refused(e, [t])
-        if refused:
-            return self.invoke_on_copies([t], compare=True)
-        if _version(t):
-            self.raise_mutated([t])
-        return out
 
     def check_outputs(self, out: Any, strict: bool) -> Any:
         """run's output checks, on fn's output `out` (the only reference to it: see
@@ -388,7 +359,7 @@ class CallPlan:
                 self._raise_structure(got_tree)
         del out  # the outputs' only references are now in `results` (see owns_memory_alone)
         if self.grad_mode:
-            results = [plain(v) for v in results]
+            results = [materialized(v) for v in results]
         for k in range(len(results)):
             value = results[k]
             if type(value) is not torch.Tensor or value.dtype is not self.out_dtypes[k]:
@@ -579,8 +550,8 @@ def _twin_class(a: Any, b: Any) -> type | None:
     return None
 
 
-def plain(value: Any) -> Any:
-    """A derived call's output as plain data: torch.func may return a lazy ZeroTensor (a
+def materialized(value: Any) -> Any:
+    """A derived call's output as data JAX can take: torch.func may return a lazy ZeroTensor (a
     tangent or gradient known to be zero, which has no storage for DLPack), and autograd
     outputs that are still on a tape."""
     if not isinstance(value, torch.Tensor):

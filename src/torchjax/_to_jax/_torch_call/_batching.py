@@ -94,9 +94,9 @@ def _kept_forward(args: tuple, axes: tuple, fn: KeptForward, options: Options) -
     if not fn.keep_graph or fn.inner is not fn.inner.root:
         return None
     in_dims = _tensor_in_dims(args, axes)
-    plain = BatchedFunction(fn.inner, in_dims, options.vmap_randomness).with_out_dims(args)
-    if plain.out_dims is not None:
-        return None  # some output stays unbatched: the plain batched call handles that
+    batched = BatchedFunction(fn.inner, in_dims, options.vmap_randomness).with_out_dims(args)
+    if batched.out_dims is not None:
+        return None  # some output stays unbatched: a BatchedFunction handles that
     kept = BatchedKeptForward(fn, in_dims, options.vmap_randomness)
     out = torch_call_p.bind(*args, fn=kept, options=options)
     return out, (*[0] * (len(out) - 2), None, None)

@@ -18,43 +18,30 @@ import torch
 from torchjax._compat._jax import (
     array_committed,
     dlpack_export,
-    dlpack_import,
-    eval_trace_type,
     sharding_device,
     single_device_shard,
     trace_context,
-    uncommitted,
 )
 from torchjax._compat._torch import (
     any_autocast,
     autocast_as,
-    cpu_array_from_tensor,
     is_fake,
-    is_view,
-    storage_cdata,
-    storage_use_count,
     tensor_from_capsule,
-    tensor_to_capsule,
-    tensor_use_count,
 )
 from torchjax._convert import (
     ArrayImpl,
     array_to_tensor,
-    jax_cpu_device,
-    keeps_dtype,
-    several_devices,
-    tensor_to_jax,
     torch_dtype,
 )
 from torchjax._errors import ConversionError
 from torchjax._primitive._params import ARRAY, eager_type, store
-from torchjax._to_jax._call._guard import owns_memory_alone
+from torchjax._to_jax import _hot as hot_paths
 from torchjax._to_jax._call._outputs import as_jax_tree
 from torchjax._to_jax._call._plan import (
     CallPlan,
     fake_output_error,
+    materialized,
     number_tensor,
-    plain,
     plan_for,
     to_jax_outputs,
 )
@@ -62,6 +49,7 @@ from torchjax._to_jax._callables._base import layout
 from torchjax._to_jax._callables._user import UserFunction, types_key
 from torchjax._to_jax._context import DTYPES_OK, fake_runs
 from torchjax._to_jax._fake._run import output_struct, real_mode
+from torchjax._to_jax._hot import MISS
 from torchjax._to_jax._torch_call._abstract_eval import (
     check_input_dtype,
     check_no_tensor,
@@ -142,11 +130,11 @@ torch_call_p.def_types_from_values(types_from_a_real_run)
 class HotCall:
     """The last eager signature of a function called with JAX CPU arrays as its positional
     arguments, or nested in them (a dict of parameters, module_to_jax's variables), and
-    nothing else, whose call plan is plain (see CallPlan.plain): its next call with arrays
+    nothing else, whose call plan is hot (see CallPlan.hot): its next call with arrays
     of the same types (avals) in the same structure goes straight to the plan, past the
     hashing and lookups of a bind (and, for arrays alone, the flattening), with the plan's
-    checks and the output's conversion inlined into one frame (`call`, which to_jax's
-    wrapper tries first). Any other call returns MISS and takes the full way.
+    checks and the output's conversion inlined into one frame (`call`, _hot.eager_call,
+    which to_jax's wrapper tries first). Any other call returns MISS and takes the full way.
     """
 
     __slots__ = ("signature", "call")
@@ -169,11 +157,14 @@ class HotCall:
                 return None
         memo = signature.memo
         plan = memo.get("typed") if type(signature) is Untyped else memo.get("plan")
-        if plan is None or not plan.plain:
+        if plan is None or not plan.hot:
             return None
         hot = HotCall()
         hot.signature = signature
-        call = _hot_call(tuple(x.aval for x in operands), x64, plan, signature, in_tree, statics)
+        rest = functools.partial(_rest, plan, signature, in_tree, statics)
+        call = hot_paths.eager_call(
+            tuple(x.aval for x in operands), x64, plan, _committed_device, rest
+        )
         hot.call = call if in_tree == _positional(n) else _flattening(call, parts["args"].tree)
         return hot
 
@@ -205,133 +196,6 @@ def _rest(plan: CallPlan, signature: Any, in_tree: Any, statics: tuple, box: lis
         return _tree.tree_unflatten(plan.out_tree, to_jax_outputs(results, plan.out_paths, device))
     memo = signature.memo
     return _untyped_outputs(memo["plan"], results[1], device, memo, in_tree, statics)
-
-
-def _hot_call(
-    avals: tuple, x64: Any, plan: CallPlan, signature: Any, in_tree: Any, statics: tuple
-) -> Any:
-    """HotCall.call for `plan`: ``call(args)`` is the call's output, or MISS where `args` or
-    the context are not those of this signature (a trace is active, a fake run, inference
-    mode, x64 changed). After plan.call_plain, the steps of owns_memory_alone and
-    tensor_to_jax are inlined with what the signature fixes (one frame: this runs on every
-    call); anything they do not cover goes to the functions themselves. (It holds no
-    reference to its HotCall: no cycle, so a dropped wrapper is freed at once.)"""
-    n, x64_value = len(avals), x64.value
-    dtype, shape, where = plan.plain_dtype, plan.plain_shape, plan.out_paths[0]
-    cpu = jax_cpu_device()
-    form = cpu_array_from_tensor.form  # jaxlib's DLPack import signature, once found
-    # The output's dtype, fixed by the plan, is one XLA aliases as it is (tensor_to_jax),
-    # and jaxlib's import is set up; only a complex tensor can have its conjugate bit set.
-    aliasable = keeps_dtype(dtype) and form is not None
-    complex_out = dtype.is_complex
-    # With several CPU devices an output of uncommitted inputs is not committed either, as
-    # JAX's own results (see to_jax_outputs).
-    spread = several_devices("cpu")
-
-    def call(args: tuple) -> Any:
-        if len(args) != n or x64.value != x64_value or not plan.plain:  # plain: not on copies
-            return MISS
-        # at_top_level(), inlined: no JAX trace or transformation is active
-        if type(trace_context.trace) is not eval_trace_type:
-            return MISS
-        if fake_runs.depth or _inference_mode():
-            return MISS
-        committed, tensors, i = False, [], 0
-        for x in args:  # (indexed: zip and unpacking cost more than the checks)
-            if type(x) is not ArrayImpl or x.aval != avals[i] or x.platform() != "cpu":
-                return MISS
-            i += 1
-            if type(x.sharding) is not _SingleDevice:  # a sharded array: the full way says so
-                return MISS
-            committed = committed or array_committed(x)
-            tensors.append(_from_capsule(_export(_shard(x), stream=None)))
-        device = _committed_device(args, plan) if committed else cpu
-        box = [plan.call_plain(tensors)]  # the output's one reference: see finish
-        tensors = None
-        return finish(box, device, committed)
-
-    def call_one(args: Any) -> Any:
-        """`call` for one array argument: no list, no loop, and CallPlan's guard for one
-        tensor (call_plain_one), which `call` takes 0.5 µs more for (3% of an eager call on
-        16 floats, measured)."""
-        if len(args) != 1 or x64.value != x64_value or not plan.plain:
-            return MISS
-        if type(trace_context.trace) is not eval_trace_type:
-            return MISS
-        if fake_runs.depth or _inference_mode():
-            return MISS
-        x = args[0]
-        if type(x) is not ArrayImpl or x.aval != aval or x.platform() != "cpu":
-            return MISS
-        if type(x.sharding) is not _SingleDevice:
-            return MISS
-        committed = array_committed(x)
-        device = _committed_device(args, plan) if committed else cpu
-        box = [call_plain_one(_from_capsule(_export(_shard(x), stream=None)))]
-        return finish(box, device, committed)
-
-    def finish(box: list, device: Any, committed: bool) -> Any:
-        """The call's output from fn's output ``box[0]`` (its only reference, which this
-        takes): owns_memory_alone(out, 1) and tensor_to_jax's common case, inlined."""
-        out = box.pop()
-        # References to `out`: this frame's and getrefcount's argument; to its storage:
-        # `storage`, getrefcount's argument and torch's own (see owns_memory_alone).
-        if (
-            aliasable
-            and type(out) is _Tensor
-            and out.dtype is dtype
-            and out.shape == shape
-            and _getrefcount(out) == 2
-            and not _getweakrefcount(out)
-            and tensor_use_count(out) == 1
-            and not out.requires_grad
-            and out.is_cpu
-            and out.layout is _strided
-            and not is_view(out)
-        ):
-            storage = out.untyped_storage()
-            if (
-                storage.resizable()
-                and _getrefcount(storage) == 3
-                and not _getweakrefcount(storage)
-                and storage_use_count(storage_cdata(storage)) == 2
-                and out.is_contiguous()
-                and not out.const_data_ptr() % 64
-                and not (complex_out and out.is_conj())
-                and not out.is_neg()
-            ):
-                storage = None
-                result = dlpack_import(tensor_to_capsule(out), device, *form)
-                return uncommitted(result) if spread and not committed else result
-            storage = None
-        box = [out]
-        del out  # the output's references are now in `box` alone (see owns_memory_alone)
-        if (
-            type(box[0]) is _Tensor
-            and box[0].dtype is dtype
-            and box[0].shape == shape
-            and box[0].layout is _strided  # (a sparse tensor has no storage: the full way says)
-        ):
-            if owns_memory_alone(box[0], 1):
-                result = tensor_to_jax(box.pop(), where, device)
-                return uncommitted(result) if spread and not committed else result
-        return _rest(plan, signature, in_tree, statics, box, device if committed else None)
-
-    if n == 1:
-        aval, call_plain_one = avals[0], plan.call_plain_one
-        return call_one
-    return call
-
-
-class _Miss:
-    """HotCall's answer for a call it does not cover."""
-
-    def __reduce__(self) -> str:
-        # By reference: a wrapper pickled by value (cloudpickle) compares with this one.
-        return "MISS"
-
-
-MISS = _Miss()
 
 
 _NO_KWARGS = _tree.tree_structure({})
@@ -523,7 +387,7 @@ def _typed_outputs(plan: CallPlan, box: list) -> tuple[list, Any, list]:
             leaf = number_tensor(leaf, torch_dtype(struct.dtype), where)
         elif is_fake(leaf):
             raise fake_output_error(plan.name, where)
-        results.append(plain(leaf))
+        results.append(materialized(leaf))
         paths.append(where)
         del leaf
     return results, out_tree, paths
