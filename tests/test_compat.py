@@ -102,7 +102,10 @@ def test_the_list_is_compat_registry():
 
 
 # Private names written outside _compat/: module paths and attributes of other libraries.
-_PRIVATE_TEXT = re.compile(r"_src|(?<!\w)torch\._|torch\.utils\._|jaxlib\.")
+_PRIVATE_TEXT = re.compile(
+    r"_src|(?<!\w)torch\._|torch\.utils\._|jaxlib\.|StorageWeakRef|multiprocessing\.reductions"
+    r"|experimental\.buffer_callback"
+)
 _PRIVATE_ATTRS = {
     "_version",
     "_is_zerotensor",

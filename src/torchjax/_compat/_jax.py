@@ -517,3 +517,14 @@ ArrayImpl = or_(private("jax._src.lib._jax.ArrayImpl", fallback=_DLPACK_SLOW), _
 
 
 check_required(f"jax {jax.__version__}")
+
+
+# A host callback on XLA's own buffers (jax >= 0.6.1); without it, jax.pure_callback
+# copies every input and output through numpy (_torch_call/_lowering.py).
+buffer_callback = or_(
+    private(
+        "jax.experimental.buffer_callback.buffer_callback",
+        fallback="jax.pure_callback: a numpy copy of every input and output under jit",
+    ),
+    None,
+)

@@ -509,3 +509,9 @@ def restore_generators(states: list | None) -> None:
     """Put back the states generator_states took (none where None)."""
     for generator, state in states or ():
         generator.set_state(state)
+
+
+# The in-place guard's fake runs (_call/_guard.py's WriteGuard) key storages by a weak
+# reference that compares equal for one storage: torch's own, from its multiprocessing
+# support. Required: nothing public compares storages without holding them.
+storage_key = private("torch.multiprocessing.reductions.StorageWeakRef")  # storage -> key

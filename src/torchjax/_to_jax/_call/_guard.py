@@ -28,7 +28,6 @@ import weakref
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from torchjax._compat._torch import (
     TorchDispatchMode,
@@ -37,6 +36,7 @@ from torchjax._compat._torch import (
     set_throw_on_mutable_data_ptr,
     storage_cdata,
     storage_id,
+    storage_key,
     storage_use_count,
     swap_storage_data,
     tensor_base,
@@ -173,7 +173,7 @@ class WriteGuard(TorchDispatchMode):
         super().__init__()
         self.is_parameter = is_parameter  # (path) -> whether it is a module's parameter
         pairs = zip(inputs, paths, strict=True)
-        self.storages = {StorageWeakRef(t.untyped_storage()): p for t, p in pairs}
+        self.storages = {storage_key(t.untyped_storage()): p for t, p in pairs}
         self.name = name
         self.made = made  # called with every tensor an op returns (fake_eval tracks them)
         self.draws = False  # whether an op drew random numbers (see partial_eval_custom)
@@ -186,7 +186,7 @@ class WriteGuard(TorchDispatchMode):
             value = _argument(args, kwargs, i, arg_name)
             for t in value if isinstance(value, list | tuple) else (value,):
                 if isinstance(t, torch.Tensor):
-                    path = self.storages.get(StorageWeakRef(t.untyped_storage()))
+                    path = self.storages.get(storage_key(t.untyped_storage()))
                     if path is not None:
                         metadata = torch.Tag.inplace_view in func.tags
                         how = f"{func}, seen while inferring output shapes"
@@ -258,7 +258,7 @@ def copy_kept_inputs(tensors: list) -> None:
         if _getrefcount(t) == 3 and tensor_use_count(t) == 1:
             if _storage_use_count(_sid(t)) == 1:
                 continue
-            # Once a Python object of a storage was made (StorageWeakRef, say), torch keeps
+            # Once a Python object of a storage was made (a weak reference, say), torch keeps
             # it with the storage: a second user, harmless while nothing else holds it
             # (references: `storage`, getrefcount's argument, torch's own).
             storage = t.untyped_storage()

@@ -1,7 +1,7 @@
 # torch_call's lowering rule: under jax.jit, a host callback that runs torch on XLA's
 # buffers.
 #
-# jax.experimental.buffer_callback hands the callback XLA's own input and output buffers.
+# buffer_callback (jax's, through _compat) hands the callback XLA's own input and output buffers.
 # Inputs are wrapped zero-copy with DLPack; torch computes the outputs and each is copied
 # once into XLA's output buffer (torch allocates its results itself, so that copy is the
 # one unavoidable one). On GPU torch runs on XLA's stream (ctx.stream), so the work is
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from jax.experimental import io_callback
 
+from torchjax._compat._jax import buffer_callback
 from torchjax._compat._torch import (
     any_autocast,
     autocast_as,
@@ -43,11 +44,6 @@ from torchjax._to_jax._callables._batched_kept import BatchedKeptVjp
 from torchjax._to_jax._callables._kept import KeptForward
 from torchjax._to_jax._context import OUTPUT_BUFFERS
 from torchjax._to_jax._torch_call._primitive import torch_call_p
-
-try:
-    from jax.experimental.buffer_callback import buffer_callback
-except ImportError:  # pragma: no cover - exercised by forcing the flag in tests
-    buffer_callback = None
 
 # Tests flip this to exercise the documented pure_callback fallback.
 USE_BUFFER_CALLBACK = buffer_callback is not None
