@@ -229,11 +229,7 @@ def impl(operands: tuple, *, in_tree: Any, statics: tuple, signature: Any, param
     if fake_runs.depth or torch.is_inference_mode_enabled() or any_autocast():
         return _impl_in_real_mode(operands, in_tree, statics, signature, params)
     plan = _eagerplan_for(in_tree, statics, signature, params, operands)
-    device = None
-    for x in operands:
-        if type(x) is ArrayImpl and array_committed(x):
-            device = _committed_device(operands, plan)
-            break
+    device = _device_of(operands, plan)
     tensors = _tensors(operands, plan)
     if tensors and tensors[0].is_cuda:
         # On the inputs' GPU, as under jit: torch code that makes tensors on "cuda" puts
@@ -255,6 +251,14 @@ def _tensors(operands: Any, plan: CallPlan) -> list[torch.Tensor]:
                 check_input_dtype(plan.input_path(k), x.dtype)
             array_to_tensor(x, plan.input_path(k))
         raise
+
+
+def _device_of(operands: Any, plan: CallPlan) -> Any:
+    """The device the inputs are committed to, or None where none is."""
+    for x in operands:
+        if type(x) is ArrayImpl and array_committed(x):
+            return _committed_device(operands, plan)
+    return None
 
 
 def _committed_device(operands: Any, plan: CallPlan) -> Any:
@@ -324,11 +328,7 @@ def real_run(operands: list, in_tree: Any, statics: tuple, params: tuple, memo: 
         avals = [jax.typeof(x) for x in operands]
         memo["dtypes"] = dtypes
         memo["types_key"] = types_key(_tree.tree_unflatten(in_tree, _fill(statics, avals)))
-    device = None
-    for x in operands:
-        if type(x) is ArrayImpl and array_committed(x):
-            device = _committed_device(operands, plan)
-            break
+    device = _device_of(operands, plan)
     tensors = _tensors(operands, plan)
     if tensors and tensors[0].is_cuda:  # on the inputs' GPU, as in impl
         with torch.cuda.device(tensors[0].device):
