@@ -734,10 +734,14 @@ def _outcome(style: str, route, enabled: bool, monkeypatch) -> tuple[dict, int]:
             out = jax.block_until_ready(f(*args[1]))
             seen["out"] = [np.asarray(o).tolist() for o in jax.tree_util.tree_leaves(out)]
         except Exception as e:  # noqa: BLE001 - the outcome compared
-            # (Under jit, XLA's error holds the message after a traceback: its frames
+            # (Under jit, XLA's error may hold the message after a traceback: its frames
             # are the code that ran, not what it said.)
-            said = [line for line in str(e).splitlines() if line and not line[0].isspace()]
-            seen["raised"] = (type(e).__name__, *(said[1:] if jitted else said))
+            said = [
+                line
+                for line in str(e).splitlines()
+                if line and not line[0].isspace() and "Traceback (most recent" not in line
+            ]
+            seen["raised"] = (type(e).__name__, *said)
     armed[0] = False
     ran_references = references[0]
     seen["warned"] = sorted({w.category.__name__ for w in caught})
