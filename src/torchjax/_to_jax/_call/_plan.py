@@ -4,9 +4,10 @@
 # types): once per jit lowering, and kept in the signature's memo for eager calls. A call
 # then only fills in tensors, runs fn behind the in-place guard (_call/_guard.py), and checks the
 # outputs against the declared or inferred types. The eager impl and the jit callback share
-# it, so both see the same checks and the same errors. A little over 400 lines: the plan's
-# construction and its hot call path are kept together, since every check the call makes
-# is one the construction precomputed.
+# it, so both see the same checks and the same errors. Over 400 lines: the plan's
+# construction, its call and the explanations of a failed call (dtypes, int32, numbers)
+# are kept together, since every check the call makes is one the construction precomputed
+# and every note reads what the plan knows of the arguments.
 from __future__ import annotations
 
 import functools
