@@ -85,6 +85,13 @@ class VariablesError(TorchJaxError, ValueError):
     and buffer slots."""
 
 
+class LoweringError(TorchJaxError, RuntimeError):
+    """``lowering="xla"`` cannot turn the function into JAX ops: torch.export cannot
+    capture it (Python control flow on tensor values, an unsupported construct), the op
+    table is not installed, or a symbolic shape has no torch.export equivalent. The
+    message names the frame and the fix; ``lowering="callback"`` runs any torch code."""
+
+
 class StateWarning(UserWarning):
     """A torch module changed state that torchjax does not keep: a buffer written or
     reassigned by a ``module_to_jax`` call with ``mutable=False`` (the new value is dropped;

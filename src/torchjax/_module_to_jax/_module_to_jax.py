@@ -34,12 +34,20 @@ from torchjax._compat._torch import (
 from torchjax._convert import tensors_to_jax
 from torchjax._errors import ArgumentError, VariablesError
 from torchjax._module_to_jax._copies import ModuleState
+from torchjax._module_to_jax._lowered import ModuleLowering
 from torchjax._module_to_jax._move import move_out
 from torchjax._primitive._params import ARRAY
 from torchjax._to_jax._call._guard import same_bytes
 from torchjax._to_jax._context import SEEDED
 from torchjax._to_jax._hooks import CallHooks
-from torchjax._to_jax._options import GradMethod, Options, VmapMethod, VmapRandomness
+from torchjax._to_jax._options import (
+    GradMethod,
+    Lowering,
+    Options,
+    VmapMethod,
+    VmapRandomness,
+    check_lowering,
+)
 from torchjax._to_jax._to_jax import wrap
 
 __all__ = ["module_to_jax"]
@@ -92,7 +100,10 @@ class _Apply:
         compiled = module if original is not None else None
         self.state = ModuleState(original if original is not None else module, compiled)
         self.name = type(self.state.module).__name__
-        self.options, self.result_shape_dtypes = options, result_shape_dtypes
+        self.lowering = options.get("lowering", "callback")
+        self.options = {k: v for k, v in options.items() if k != "lowering"}
+        self.result_shape_dtypes = result_shape_dtypes
+        self.lowered: ModuleLowering | None = None
         self.variants: dict[tuple, Callable] = {}
         # Whether forward writes a buffer in place, per mode of the submodules, as the
         # first run (fake or real) in that mode saw it; unknown modes hand it copies.
@@ -208,6 +219,12 @@ class _Apply:
             for _, j in state.buffer_reads
         ]
         self.note_writes(mode, names, written, mutable)
+
+    def lowered_call(self, params, buffers, args, kwargs, mutable: bool, rng: Any) -> Any:
+        """apply's call with lowering="xla" (ModuleLowering)."""
+        if self.lowered is None:
+            self.lowered = ModuleLowering(self.state, Options.checked(**self.options))
+        return self.lowered(params, buffers, args, kwargs, mutable, rng)
 
     def _declared(self, mutable: bool) -> Callable:
         """result_shape_dtypes for forward's signature, from the user's for the module's."""
@@ -333,6 +350,7 @@ def module_to_jax(
     grad_method: GradMethod = "torch.func",
     result_shape_dtypes: Any = None,
     copy: bool | Literal["move"] = True,
+    lowering: Lowering = "callback",
 ) -> tuple[Callable, dict]:
     """Turn a ``torch.nn.Module`` into a pure JAX function and its variables pytree.
 
@@ -365,6 +383,11 @@ def module_to_jax(
         module's tensors, which keep them; only safe if torch never writes the module's
         parameters or buffers afterwards (an optimizer step, ``load_state_dict``, a
         training-mode forward in torch), since that would change the JAX arrays.
+      lowering: ``"callback"`` (default) runs forward as torch code; ``"xla"`` turns its
+        ATen ops into JAX ops, per input signature and mode, as in ``to_jax`` (the
+        ``torchjax[xla]`` extra): buffer writes come back with ``mutable=True``, and with
+        ``rng`` random ops (dropout) draw from JAX's generator, keyed by it; without
+        ``rng`` they run as torch callbacks on torch's generator.
 
     Returns:
       ``(apply, variables)``. ``variables = {"params": {name: array}, "buffers": {name:
@@ -414,6 +437,7 @@ def module_to_jax(
         "grad_method": grad_method,
     }
     Options.checked(**options)  # validates the choices now, with to_jax's messages
+    options["lowering"] = check_lowering(lowering, result_shape_dtypes)
     if not (isinstance(copy, bool) or (isinstance(copy, str) and copy == "move")):
         raise ArgumentError(
             f"module_to_jax: copy={copy!r} is not one of its choices: True (variables are "
@@ -469,6 +493,8 @@ class ModuleFunction:
             valid = False
         if not valid:
             raise VariablesError(_NOT_VARIABLES.format(name=impl.name, got=_describe(variables)))
+        if impl.lowering == "xla":
+            return impl.lowered_call(params, buffers, args, kwargs, bool(mutable), rng)
         fn = impl.variant(bool(mutable), impl.state.training(), rng is not None)
         if rng is None:
             return fn(params, buffers, args, kwargs)
@@ -486,7 +512,8 @@ class ModuleFunction:
         impl = self._impl
         compiled = impl.state.pool.compiled  # (not `or`: a compiled module's len() may raise)
         module = impl.state.module if compiled is None else compiled
-        return _rebuilt, (module, impl.options, impl.result_shape_dtypes)
+        options = {**impl.options, "lowering": impl.lowering}
+        return _rebuilt, (module, options, impl.result_shape_dtypes)
 
 
 _BAD_RNG = """\

@@ -28,6 +28,8 @@
 #                             (_module_to_jax/)
 # PARAMETRIZE_LOCK   process  one module call at a time owns parametrize's shared keys
 #                             (_module_to_jax/)
+# LOWERING_LOCK      process  lowering="xla": the op table's one import, one torch.export at a
+#                             time (torch.export's tracing state is process-wide) (_lower/)
 from __future__ import annotations
 
 import collections
@@ -120,3 +122,4 @@ WARMED: weakref.WeakSet = weakref.WeakSet()
 DTYPES_OK: set = set()
 SEEDED = threading.RLock()
 PARAMETRIZE_LOCK = threading.RLock()
+LOWERING_LOCK = threading.RLock()

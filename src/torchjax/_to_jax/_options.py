@@ -10,10 +10,27 @@ from torchjax._errors import ArgumentError
 VmapMethod = Literal["torch.func", "torch", "sequential", "expand_dims", "broadcast_all"]
 VmapRandomness = Literal["error", "different", "same"]
 GradMethod = Literal["torch.func", "autograd"]
+Lowering = Literal["callback", "xla"]
 
 VMAP_METHODS: tuple[str, ...] = get_args(VmapMethod)
 VMAP_RANDOMNESS: tuple[str, ...] = get_args(VmapRandomness)
 GRAD_METHODS: tuple[str, ...] = get_args(GradMethod)
+LOWERINGS: tuple[str, ...] = get_args(Lowering)
+
+
+def check_lowering(lowering: str, result_shape_dtypes: object = None) -> str:
+    """`lowering`, checked: one of LOWERINGS, and "xla" without result_shape_dtypes."""
+    if lowering not in LOWERINGS:
+        raise ArgumentError(
+            f"lowering={lowering!r} is not one of {', '.join(map(repr, LOWERINGS))}: "
+            f"'callback' runs the function as torch code, 'xla' turns its ops into JAX ops."
+        )
+    if lowering == "xla" and result_shape_dtypes is not None:
+        raise ArgumentError(
+            "result_shape_dtypes is for lowering='callback': with lowering='xla' the output "
+            "types come from the torch.export graph. Drop result_shape_dtypes."
+        )
+    return lowering
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,9 +16,18 @@ from torchjax._compat._torch import any_autocast, autocast_state
 from torchjax._convert import is_array
 from torchjax._errors import ArgumentError, StaticArgumentError
 from torchjax._to_jax._callables._user import UserFunction
+from torchjax._to_jax._fake._run import function_name
 from torchjax._to_jax._hooks import NO_HOOKS, CallHooks
 from torchjax._to_jax._hot import MISS
-from torchjax._to_jax._options import GradMethod, Options, VmapMethod, VmapRandomness
+from torchjax._to_jax._lower._lowered import Lowered, call_path, lowered_function
+from torchjax._to_jax._options import (
+    GradMethod,
+    Lowering,
+    Options,
+    VmapMethod,
+    VmapRandomness,
+    check_lowering,
+)
 from torchjax._to_jax._torch_call import torch_call_p
 
 
@@ -45,6 +54,7 @@ def to_jax(
     vmap_method: VmapMethod = "torch.func",
     vmap_randomness: VmapRandomness = "error",
     grad_method: GradMethod = "torch.func",
+    lowering: Lowering = "callback",
 ) -> Callable: ...
 
 
@@ -56,6 +66,7 @@ def to_jax(
     vmap_method: VmapMethod = "torch.func",
     vmap_randomness: VmapRandomness = "error",
     grad_method: GradMethod = "torch.func",
+    lowering: Lowering = "callback",
 ) -> Callable[[Callable], Callable]: ...
 
 
@@ -66,6 +77,7 @@ def to_jax(
     vmap_method: VmapMethod = "torch.func",
     vmap_randomness: VmapRandomness = "error",
     grad_method: GradMethod = "torch.func",
+    lowering: Lowering = "callback",
 ) -> Callable:
     """Turn a function on torch tensors into a JAX function.
 
@@ -92,6 +104,13 @@ def to_jax(
         ``torch.func.vjp`` (plain ``torch.autograd.grad`` for a VJP that nothing outside
         differentiates again); ``"autograd"`` uses ``torch.autograd.grad`` for code torch.func
         cannot transform (old-style ``torch.autograd.Function``, some extensions).
+      lowering: ``"callback"`` (default): `fn` runs as torch code, one host callback per
+        call; any torch code works. ``"xla"``: `fn` is captured with ``torch.export`` once
+        per input signature and each ATen op becomes JAX ops (needs the ``torchjax[xla]``
+        extra), so XLA fuses it, ``jax.export`` serializes it (symbolic dimensions too) and
+        sharded inputs partition; an op with no JAX lowering (a custom op, a random op) runs
+        its torch kernel as a callback. `fn` must run the same ops whatever its inputs'
+        values; see ``torchjax.lowering_report`` and docs/lowering.md.
 
     Returns:
       A JAX function with `fn`'s name and docstring.
@@ -112,6 +131,7 @@ def to_jax(
             vmap_method=vmap_method,
             vmap_randomness=vmap_randomness,
             grad_method=grad_method,
+            lowering=lowering,
         )
     if not callable(fn):
         raise ArgumentError(
@@ -119,7 +139,17 @@ def to_jax(
             f"{type(fn).__name__}. Pass the function itself: to_jax(fn), or use @to_jax."
         )
     options = Options.checked(vmap_method, vmap_randomness, grad_method)
+    if check_lowering(lowering, result_shape_dtypes) == "xla":
+        callback = functools.partial(op_callback, options=options)
+        return lowered_function(fn, Lowered(fn, function_name(fn), callback, call_path))
     return wrap(fn, result_shape_dtypes, options)
+
+
+@functools.cache
+def op_callback(op: Any, options: Options) -> Callable:
+    """The callback-path JAX function of one torch op (a node lowering="xla" cannot lower),
+    one per op and options, so jit caches hit across signatures and functions."""
+    return wrap(op, None, options)
 
 
 def wrap(

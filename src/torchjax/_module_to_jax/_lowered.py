@@ -1,0 +1,70 @@
+# module_to_jax(module, lowering="xla"): forward as a function of (params, buffers, args,
+# kwargs), captured with torch.func.functional_call on a private copy of the module, lowered
+# per signature and mode like to_jax's. torch.export functionalizes buffer writes (batch
+# norm's running statistics): they come back as new buffers with mutable=True, and are
+# dropped with a StateWarning otherwise, as on the callback path.
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import jax
+import torch
+
+from torchjax._module_to_jax._copies import ModuleState
+from torchjax._to_jax._lower._lowered import Lowered
+from torchjax._to_jax._options import Options
+from torchjax._to_jax._to_jax import op_callback
+
+
+def _describe(path: tuple) -> str:
+    """A path into forward's ((params, buffers, args, kwargs), {}) as apply's call reads."""
+    group = path[1].idx
+    names = {0: "variables['params']", 1: "variables['buffers']", 2: "args", 3: "kwargs"}
+    return names[group] + jax.tree_util.keystr(tuple(path[2:]))
+
+
+class ModuleLowering:
+    """One Lowered per mode of the submodules (torch.export traces the mode it finds)."""
+
+    def __init__(self, state: ModuleState, options: Options):
+        self.state, self.options = state, options
+        self.name = type(state.module).__name__
+        self.module = copy.deepcopy(state.module)  # the copy torch.export traces
+        self.by_mode: dict[tuple, Lowered] = {}
+
+    def _lowered(self, mode: tuple) -> Lowered:
+        lowered = self.by_mode.get(mode)
+        if lowered is None:
+            module, submodules = self.module, list(self.module.modules())
+
+            def forward(params: dict, buffers: dict, args: tuple, kwargs: dict) -> Any:
+                # Runs only inside torch.export, under Lowered's lock: one mode at a time.
+                for m, training in zip(submodules, mode, strict=True):
+                    m.training = training
+                return torch.func.functional_call(module, {**params, **buffers}, args, kwargs)
+
+            forward.__name__ = forward.__qualname__ = f"{self.name}.forward"
+            lowered = self.by_mode[mode] = Lowered(
+                forward,
+                forward.__name__,
+                lambda op: op_callback(op, self.options),
+                _describe,
+                may_write=lambda path: path[1].idx == 1,  # buffers: returned or dropped
+            )
+        return lowered
+
+    def __call__(self, params, buffers, args, kwargs, mutable: bool, rng: Any) -> Any:
+        state = self.state
+        state.check(self.name, params, buffers)
+        lowered = self._lowered(state.training())
+        out, written = lowered(((params, buffers, args, kwargs), {}), rng)
+        names = [path[2].key for path in written]
+        if not mutable:
+            if names:
+                state.warn_dropped(names, "wrote in place into")
+            return out
+        new = dict(buffers)
+        for path, value in written.items():
+            new[path[2].key] = value
+        return out, new

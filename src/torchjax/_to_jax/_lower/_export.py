@@ -1,0 +1,151 @@
+# One input signature of a torch function captured by torch.export: example tensors of the
+# signature's shapes (JAX's symbolic dimensions become torch.export dims), the graph in core
+# ATen after decompositions, and a LoweringError naming the frame where capture fails.
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+
+from torchjax._convert import torch_dtype
+from torchjax._errors import LoweringError, TorchJaxError
+from torchjax._to_jax._lower._engine import OpTable
+
+_tree = jax.tree_util
+
+_NOT_CAPTURED = """\
+lowering="xla": torch.export cannot capture {name}{where}:
+    {error}
+lowering="xla" turns the torch ops of one traced run into JAX ops, so the function must run
+the same ops whatever its inputs' values: no Python branch on a tensor's value (`if x.sum() >
+0:`), no .item() or .tolist() that decides what runs next. Rewrite such code with torch.where
+or torch.cond, or use lowering="callback" (the default), which runs any torch code."""
+
+_EXPRESSION = """\
+lowering="xla": {path} has the symbolic dimension {dim!r}, an expression. torch.export's dims
+map only plain symbols: give the argument its own symbol (jax.export.symbolic_shape("b, 3")),
+and compute derived sizes inside the function."""
+
+# Example sizes for symbolic dimensions: distinct and above 1, so torch.export neither
+# specializes a dim to 0/1 nor takes two different symbols for equal.
+_HINTS = (5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43)
+
+
+@dataclasses.dataclass
+class Captured:
+    """What one run of the function under torch.export left beside its graph: the output's
+    tree, and its leaves that are not tensors (Python numbers, None), which stay constants."""
+
+    out_tree: Any = None
+    constants: dict = dataclasses.field(default_factory=dict)  # leaf index -> value
+    n_tensors: int = 0
+
+
+class _Flat(torch.nn.Module):
+    """The function as torch.export wants it: a module whose forward takes a list of tensors
+    (the signature's arrays, in flattening order) and returns a tuple of tensors."""
+
+    def __init__(self, fn: Callable, in_tree: Any, template: tuple, captured: Captured):
+        super().__init__()
+        self.fn, self.in_tree, self.template, self.captured = fn, in_tree, template, captured
+
+    def forward(self, tensors: list) -> tuple:
+        it = iter(tensors)
+        leaves = [next(it) if is_slot else leaf for is_slot, leaf in self.template]
+        args, kwargs = _tree.tree_unflatten(self.in_tree, leaves)
+        out = self.fn(*args, **kwargs)
+        out_leaves, self.captured.out_tree = _tree.tree_flatten(out)
+        self.captured.constants = {
+            i: v for i, v in enumerate(out_leaves) if not isinstance(v, torch.Tensor)
+        }
+        tensors_out = tuple(v for v in out_leaves if isinstance(v, torch.Tensor))
+        self.captured.n_tensors = len(tensors_out)
+        return tensors_out
+
+
+def _dim_spec(shape: tuple, path: str, dims: dict) -> tuple[list, dict | None]:
+    """Example sizes for `shape` and its torch.export dynamic-shape spec (None: all static)."""
+    sizes, spec = [], {}
+    for axis, d in enumerate(shape):
+        if isinstance(d, int | np.integer):
+            sizes.append(int(d))
+            continue
+        name = str(d)
+        if not name.isidentifier():
+            raise LoweringError(_EXPRESSION.format(path=path, dim=name))
+        if name not in dims:
+            hint = _HINTS[len(dims) % len(_HINTS)] + 64 * (len(dims) // len(_HINTS))
+            dims[name] = (torch.export.Dim(name), hint)
+        spec[axis] = dims[name][0]
+        sizes.append(dims[name][1])
+    return sizes, (spec or None)
+
+
+def capture(
+    fn: Callable,
+    name: str,
+    in_tree: Any,
+    template: tuple,
+    avals: list,
+    paths: list[str],
+    table: OpTable,
+) -> tuple[torch.export.ExportedProgram, Captured]:
+    """torch.export `fn` at one signature and decompose its graph to the ops the table lowers.
+
+    `template` holds (True, None) where an array goes and (False, leaf) for a static leaf;
+    `avals` are the arrays' types (shapes may hold JAX symbolic dimensions), `paths` their
+    argument paths for messages.
+    """
+    dims: dict = {}
+    examples, specs = [], []
+    for aval, path in zip(avals, paths, strict=True):
+        sizes, spec = _dim_spec(tuple(aval.shape), path, dims)
+        examples.append(torch.zeros(sizes, dtype=torch_dtype(aval.dtype)))
+        specs.append(spec)
+    captured = Captured()
+    flat = _Flat(fn, in_tree, template, captured)
+    dynamic = {"tensors": specs} if any(s is not None for s in specs) else None
+    try:
+        with torch.enable_grad():  # the grad mode plain torch code runs in
+            program = torch.export.export(flat, (examples,), dynamic_shapes=dynamic, strict=False)
+    except TorchJaxError:
+        raise
+    except Exception as error:
+        if _raised_by_user(error):
+            raise  # the user's own exception (an input check, say) stays theirs
+        raise LoweringError(_not_captured(name, error)) from error
+    program = program.run_decompositions(_core_decompositions())
+    program = program.run_decompositions(table.decompositions)
+    return program, captured
+
+
+def _core_decompositions() -> Any:
+    """torch.export's core ATen decompositions."""
+    return torch.export.default_decompositions()
+
+
+def _raised_by_user(error: BaseException) -> bool:
+    """Whether `error` was raised by code outside torch (the user's, a library's)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return False
+    return not _is_library_frame(frames[-1].filename)
+
+
+def _is_library_frame(filename: str) -> bool:
+    return any(part in filename for part in ("/torch/", "/torchjax/", "/jax/", "/sympy/"))
+
+
+def _not_captured(name: str, error: BaseException) -> str:
+    frames = [
+        f for f in traceback.extract_tb(error.__traceback__) if not _is_library_frame(f.filename)
+    ]
+    where = f", at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    text = "\n    ".join(lines[:8]) + ("\n    ..." if len(lines) > 8 else "")
+    return _NOT_CAPTURED.format(name=name, where=where, error=f"{type(error).__name__}: {text}")

@@ -1,0 +1,127 @@
+# to_jax(fn, lowering="xla")'s function: per input signature, one torch.export of `fn` and
+# its lowered Program, jitted; a call flattens its arguments as the callback path does
+# (arrays are operands, every other leaf a hashable static value) and runs the program.
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from torchjax._convert import is_array
+from torchjax._errors import StaticArgumentError
+from torchjax._to_jax._call._guard import inplace_error
+from torchjax._to_jax._context import LOWERING_LOCK
+from torchjax._to_jax._lower._engine import op_table
+from torchjax._to_jax._lower._export import capture
+from torchjax._to_jax._lower._program import Program
+
+_tree = jax.tree_util
+
+_WRITES = "torch.export records a write into it"
+
+
+class Lowered:
+    """A torch function lowered to JAX ops, one Program per input signature.
+
+    `callback(op)` gives the callback-path JAX function of a torch op (to_jax of it, with
+    the user's options): the route of a node the op table cannot lower. `may_write(path)`
+    says whether the function may write the input at a key path in place (module_to_jax's
+    buffers, with mutable=True); `describe(path)` names a path as the user wrote the call.
+    """
+
+    def __init__(
+        self,
+        fn: Callable,
+        name: str,
+        callback: Callable[[Any], Callable],
+        describe: Callable[[tuple], str],
+        may_write: Callable[[tuple], bool] = lambda path: False,
+    ):
+        self.fn, self.name, self.callback = fn, name, callback
+        self.describe, self.may_write = describe, may_write
+        self.programs: dict[Any, tuple[Program, Callable, list]] = {}
+
+    def signature(self, tree_args: Any) -> tuple[Any, list, list]:
+        """(cache key, the arrays, their key paths) of a call's (args, kwargs)."""
+        with_paths, in_tree = _tree.tree_flatten_with_path(tree_args)
+        arrays, paths, template = [], [], []
+        for path, leaf in with_paths:
+            if is_array(leaf):
+                arrays.append(leaf)
+                paths.append(path)
+                template.append((True, None))
+            else:
+                try:
+                    hash(leaf)
+                except TypeError:
+                    raise StaticArgumentError(
+                        f"{self.describe(path)} is a {type(leaf).__name__}, which is neither "
+                        f"an array nor hashable. {self.name} takes non-array leaves as static "
+                        f"values, which must be hashable (they are part of the jit cache key). "
+                        f"Pass it as an array, or as a tuple/frozenset instead."
+                    ) from None
+                template.append((False, leaf))
+        types = tuple((tuple(a.shape), jax.dtypes.canonicalize_dtype(a.dtype)) for a in arrays)
+        return (in_tree, tuple(template), types), arrays, paths
+
+    def program(self, tree_args: Any) -> tuple[Program, Callable, list, list]:
+        """The Program for a call's signature (lowered on its first call), its jitted run
+        and the call's arrays and their paths."""
+        key, arrays, paths = self.signature(tree_args)
+        entry = self.programs.get(key)
+        if entry is None:
+            with LOWERING_LOCK:
+                entry = self.programs.get(key)
+                if entry is None:
+                    entry = self.programs[key] = self._lower(key, arrays, paths)
+        program, jitted, _ = entry
+        return program, jitted, arrays, paths
+
+    def _lower(self, key: Any, arrays: list, paths: list) -> tuple:
+        in_tree, template, types = key
+        table = op_table()
+        avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in types]
+        names = [self.describe(p) for p in paths]
+        exported, captured = capture(self.fn, self.name, in_tree, template, avals, names, table)
+        program = Program(self.name, exported, captured, table, self.callback)
+        for i in program.mutated_inputs:
+            if not self.may_write(paths[i]):
+                raise inplace_error(self.name, names[i], _WRITES)
+        return program, jax.jit(program.run), paths
+
+    def __call__(self, tree_args: Any, key: Any = None) -> tuple[Any, dict]:
+        """(the output pytree, {key path of a written input: its new value})."""
+        program, jitted, arrays, paths = self.program(tree_args)
+        outs, mutations = jitted(program.constants, arrays, key)
+        return self.unflatten(program, outs), {paths[i]: v for i, v in mutations.items()}
+
+    @staticmethod
+    def unflatten(program: Program, outs: list) -> Any:
+        captured = program.captured
+        it = iter(outs)
+        leaves = [
+            jnp.asarray(captured.constants[i]) if i in captured.constants else next(it)
+            for i in range(captured.out_tree.num_leaves)
+        ]
+        return _tree.tree_unflatten(captured.out_tree, leaves)
+
+
+def call_path(path: tuple) -> str:
+    """A path into a call's (args, kwargs) as the user wrote the call: `args[0]['a']`."""
+    head = "args" if path[0].idx == 0 else "kwargs"
+    return head + _tree.keystr(tuple(path[1:]))
+
+
+def lowered_function(fn: Callable, lowered: Lowered) -> Callable:
+    """to_jax's public function for a Lowered: the user's call signature."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out, _ = lowered((args, kwargs))
+        return out
+
+    wrapped.lowered = lowered  # lowering_report reads the routes from here
+    return wrapped

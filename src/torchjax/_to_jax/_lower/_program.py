@@ -1,0 +1,186 @@
+# One signature's lowered program: the exported graph walked node by node on JAX values.
+# A node the op table lowers becomes JAX ops; any other runs its real torch kernel through
+# the callback primitive (to_jax of the ATen op itself), so jit, grad, vmap and jvp work
+# through it as through any wrapped torch function. Each node's route, and why, is
+# recorded for lowering_report.
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+from torch.export.graph_signature import InputKind, OutputKind
+
+from torchjax._convert import canonical_jax_dtype, tensor_to_jax
+from torchjax._errors import LoweringError
+from torchjax._to_jax._lower._callback_ops import CALLBACK_OPS
+from torchjax._to_jax._lower._engine import OpTable
+from torchjax._to_jax._lower._export import Captured
+
+_HIGHER_ORDER = """\
+lowering="xla": {name} uses {op}, a torch higher-order op (control flow or a wrapped
+subgraph), which has no lowering yet. Use lowering="callback" (the default) for it."""
+
+NO_LOWERING = "the op table has no lowering for it"
+TORCH_CODE = "the op table's entry for it runs torch code, not JAX ops"
+RANDOM = (
+    "a random op: without a JAX key it draws from torch's generator, as lowering='callback' "
+    "does (module_to_jax's apply(..., rng=key) lowers it to jax.random)"
+)
+LISTED = "listed in _lower/_callback_ops.py: its lowering disagrees with torch (make conformance)"
+
+
+@dataclasses.dataclass
+class Route:
+    """How one graph node runs: as JAX ops (`lowered`), or as a torch callback and `why`."""
+
+    node: str
+    op: str
+    lowered: bool
+    why: str = ""
+
+
+class _Keys:
+    """The key source torchax's random lowerings draw from (their `env`): one key per draw,
+    folded from the call's key, so the same key gives the same draws."""
+
+    def __init__(self, key: Any):
+        self.key, self.count = key, 0
+
+    def get_and_rotate_prng_key(self, generator: Any = None) -> Any:
+        del generator  # a torch.Generator's seed is not an input: the call's key decides
+        self.count += 1
+        return jax.random.fold_in(self.key, self.count)
+
+
+def op_name(target: Any) -> str:
+    """`aten.add.Tensor` for torch.ops.aten.add.Tensor; a custom op by its namespace."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}.{target._overloadname}"
+    return getattr(target, "__name__", repr(target))
+
+
+class Program:
+    """The lowered graph of one signature.
+
+    ``run(constants, arrays, key)`` takes the graph's lifted constants (JAX arrays, passed
+    as arguments rather than baked into the XLA program), the signature's arrays and a PRNG
+    key or None, and returns (user outputs, mutated inputs: {input index: new value}).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        program: torch.export.ExportedProgram,
+        captured: Captured,
+        table: OpTable,
+        callback: Callable[[Any], Callable],
+    ):
+        self.name, self.graph, self.captured = name, program.graph, captured
+        self.table, self.callback = table, callback
+        signature = program.graph_signature
+        state = {**program.state_dict, **program.constants}
+        self.inputs: list[tuple[str, Any]] = []  # per placeholder: ("user", i) | ("constant", j)
+        constants: list[torch.Tensor] = []
+        n_user = 0
+        for spec in signature.input_specs:
+            if spec.kind == InputKind.USER_INPUT:
+                self.inputs.append(("user", n_user))
+                n_user += 1
+            elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+                self.inputs.append(("constant", len(constants)))
+                constants.append(state[spec.target])
+            else:
+                raise LoweringError(
+                    f'lowering="xla": {name} takes a {spec.kind.name.lower()} input '
+                    f"({spec.arg.name}), which has no JAX form. Use lowering='callback'."
+                )
+        # Private copies: the program is a function of its inputs, whatever the closure's
+        # tensors hold later (the callback path reads them at each call instead).
+        self.constants = [tensor_to_jax(t.detach().clone(), "a constant") for t in constants]
+        user_names = [s.arg.name for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
+        self.mutated: list[int | None] = []  # per mutation output: the user input it writes
+        self.n_mutations = 0
+        for spec in signature.output_specs:
+            if spec.kind == OutputKind.USER_INPUT_MUTATION:
+                self.mutated.append(user_names.index(spec.target))
+            elif spec.kind == OutputKind.BUFFER_MUTATION:
+                self.mutated.append(None)  # a buffer of a module the function closes over
+            else:
+                continue
+            self.n_mutations += 1
+        self.routes: dict[str, Route] = {}
+        for node in self.graph.nodes:
+            if isinstance(node.target, torch._ops.HigherOrderOperator):
+                raise LoweringError(_HIGHER_ORDER.format(name=name, op=op_name(node.target)))
+            if node.op == "get_attr":
+                op = f"a submodule ({node.target})"
+                raise LoweringError(_HIGHER_ORDER.format(name=name, op=op))
+
+    @property
+    def mutated_inputs(self) -> list[int]:
+        return [i for i in self.mutated if i is not None]
+
+    def run(self, constants: list, arrays: list, key: Any) -> tuple[list, dict]:
+        keys = _Keys(key) if key is not None else None
+        env: dict[Any, Any] = {}
+        placeholders = iter(self.inputs)
+        outs: list = []
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                kind, i = next(placeholders)
+                env[node] = arrays[i] if kind == "user" else constants[i]
+            elif node.op == "call_function":
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+                env[node] = self._call(node, args, kwargs, keys)
+            elif node.op == "output":
+                outs = list(torch.fx.node.map_arg(node.args[0], env.__getitem__))
+        metas = [
+            n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+            for n in self.graph.output_node().args[0]
+        ]
+        outs = [_as_declared(v, m) for v, m in zip(outs, metas, strict=True)]
+        mutations = {i: outs[k] for k, i in enumerate(self.mutated) if i is not None}
+        return outs[self.n_mutations :], mutations
+
+    def _call(self, node: torch.fx.Node, args: tuple, kwargs: dict, keys: _Keys | None) -> Any:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload):
+            return target(*args, **kwargs)  # operator.getitem, arithmetic on sizes
+        name = op_name(target)
+        op = self.table.lowering(target)
+        if name in CALLBACK_OPS:
+            why = LISTED
+        elif op is None:
+            why = NO_LOWERING
+        elif not op.is_jax_function:
+            why = TORCH_CODE
+        elif op.needs_env and keys is None:
+            why = RANDOM
+        else:
+            extra = {"env": keys} if op.needs_env else {}
+            try:
+                out = op.func(*args, **kwargs, **extra)
+            except Exception as error:  # a lowering that cannot take these arguments
+                why = f"its lowering raised {type(error).__name__}: {str(error)[:160]}"
+            else:
+                self.routes[node.name] = Route(node.name, name, True)
+                return out
+        self.routes[node.name] = Route(node.name, name, False, why)
+        return self.callback(target)(*args, **kwargs)
+
+
+def _as_declared(value: Any, meta: Any) -> Any:
+    """An output with the dtype the torch graph gives it, under JAX's x64 policy: a
+    lowering may compute in another (int32 for int64 with x64 off, float32 for a Python
+    float), and the callback path returns the graph's."""
+    if isinstance(meta, torch.Tensor):
+        dtype = canonical_jax_dtype(meta.dtype)
+        value = jnp.asarray(value)
+        return value if value.dtype == dtype else value.astype(dtype)
+    if isinstance(value, int | float | bool):
+        return jnp.asarray(value)
+    return value
