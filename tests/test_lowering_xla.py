@@ -1,0 +1,462 @@
+"""lowering="xla": torch functions and modules as JAX ops (torch.export + torchax's op table),
+compared with torch and torch.func computing the same thing, under every transform."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from jax.test_util import check_grads
+
+import torchjax
+from torchjax.errors import (
+    ArgumentError,
+    InPlaceMutationError,
+    LoweringError,
+    StateWarning,
+    StaticArgumentError,
+)
+
+pytest.importorskip("torchax")
+
+rng = np.random.default_rng(0)
+
+
+def _no_callback(fn, *args) -> None:
+    """Assert the jaxpr of fn(*args) runs no torch code: only JAX ops."""
+    text = str(jax.make_jaxpr(fn)(*args))
+    assert "torch_call" not in text and "callback" not in text, text
+
+
+def _t(a) -> torch.Tensor:
+    return torch.tensor(np.asarray(a))
+
+
+def poly(x, w):  # [N, 3], [3, 2] -> [N]
+    return (torch.tanh(x @ w) * torch.sin(x).sum(-1, keepdim=True)).sum(-1) + x.pow(2).mean()
+
+
+X = rng.standard_normal((4, 3)).astype(np.float32)
+W = rng.standard_normal((3, 2)).astype(np.float32)
+
+
+# -- a function --------------------------------------------------------------------------
+def test_function_equals_torch_eager_and_jit():
+    f = torchjax.to_jax(poly, lowering="xla")
+    ref = poly(_t(X), _t(W)).numpy()
+    np.testing.assert_allclose(f(X, W), ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(f)(X, W), ref, rtol=1e-5, atol=1e-6)
+    _no_callback(f, X, W)
+
+
+def test_function_grad_equals_torch_func():
+    f = torchjax.to_jax(poly, lowering="xla")
+    loss = lambda x, w: f(x, w).sum()  # noqa: E731
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(X, W)
+    ref = torch.func.grad(lambda x, w: poly(x, w).sum(), argnums=(0, 1))(_t(X), _t(W))
+    for g, r in zip(got, ref, strict=True):
+        np.testing.assert_allclose(g, r.numpy(), rtol=1e-5, atol=1e-6)
+    _no_callback(jax.grad(loss), X, W)
+
+
+def test_function_vmap_jvp_hessian_equal_torch_func():
+    f = torchjax.to_jax(poly, lowering="xla")
+    xs = rng.standard_normal((5, 4, 3)).astype(np.float32)
+    np.testing.assert_allclose(
+        jax.vmap(f, in_axes=(0, None))(xs, W),
+        torch.func.vmap(poly, in_dims=(0, None))(_t(xs), _t(W)).numpy(),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    t = rng.standard_normal((4, 3)).astype(np.float32)
+    _, tangent = jax.jvp(lambda x: f(x, W), (X,), (t,))
+    _, ref = torch.func.jvp(lambda x: poly(x, _t(W)), (_t(X),), (_t(t),))
+    np.testing.assert_allclose(tangent, ref.numpy(), rtol=1e-5, atol=1e-5)
+    scalar = lambda x: f(x, W).sum()  # noqa: E731
+    hess = jax.jit(jax.hessian(scalar))(X)
+    ref = torch.func.hessian(lambda x: poly(x, _t(W)).sum())(_t(X))
+    np.testing.assert_allclose(hess, ref.numpy(), rtol=1e-4, atol=1e-5)
+    _no_callback(jax.hessian(scalar), X)
+    _no_callback(jax.vmap(f, in_axes=(0, None)), xs, W)
+
+
+def test_function_check_grads_float64(x64):
+    f = torchjax.to_jax(poly, lowering="xla")
+    x, w = X.astype(np.float64), W.astype(np.float64)
+    check_grads(lambda x, w: f(x, w), (x, w), order=2, modes=("fwd", "rev"))
+
+
+def test_pytrees_static_leaves_and_python_numbers():
+    def fn(d, scale, *, power):  # {'a': [3], 'b': [3]} -> ({'s': [3]}, 2)
+        return {"s": (d["a"] * scale + d["b"]) ** power}, 2
+
+    f = torchjax.to_jax(fn, lowering="xla")
+    a, b = np.arange(3.0, dtype=np.float32), np.ones(3, np.float32)
+    out, two = jax.jit(f, static_argnums=1, static_argnames="power")({"a": a, "b": b}, 1.5, power=2)
+    np.testing.assert_allclose(out["s"], (a * 1.5 + b) ** 2)
+    assert int(two) == 2 and isinstance(two, jax.Array)
+
+
+def test_int32_indices_with_x64_off(x64_off):
+    def fn(table, idx):  # [10, 4], int32[6] -> [6, 4]
+        return torch.nn.functional.embedding(idx, table) * 2 + table[idx].sum()
+
+    table = rng.standard_normal((10, 4)).astype(np.float32)
+    idx = np.array([1, 3, 3, 0, 9, 2], np.int32)
+    f = torchjax.to_jax(fn, lowering="xla")
+    ref = fn(_t(table), _t(idx).long()).numpy()
+    np.testing.assert_allclose(jax.jit(f)(table, idx), ref, rtol=1e-5, atol=1e-5)
+    g = jax.grad(lambda t: f(t, idx).sum())(table)
+    tt = _t(table).requires_grad_()
+    fn(tt, _t(idx).long()).sum().backward()
+    np.testing.assert_allclose(g, tt.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_integer_outputs_follow_the_x64_policy(x64_off):
+    f = torchjax.to_jax(lambda x: (x.argmax(-1), x.sum()), lowering="xla")
+    idx, s = f(X)
+    assert idx.dtype == jnp.int32  # torch's int64, as JAX holds it with x64 off
+    np.testing.assert_array_equal(idx, _t(X).argmax(-1).numpy())
+
+
+# -- ops without a lowering: torch kernels as callbacks ----------------------------------
+@torch.library.custom_op("torchjax_test::cube", mutates_args=())
+def cube(x: torch.Tensor) -> torch.Tensor:
+    return x**3
+
+
+@cube.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+cube.register_autograd(lambda ctx, g: g * 3 * ctx.saved_tensors[0] ** 2, setup_context=_setup)
+
+
+def with_custom_op(x):  # [N] -> []
+    return torch.sin(cube(x)).sum() + x.mean()
+
+
+def test_custom_op_runs_as_a_callback_under_jit_and_grad():
+    f = torchjax.to_jax(with_custom_op, lowering="xla")
+    x = np.linspace(-1, 1, 5).astype(np.float32)
+    tx = _t(x).requires_grad_()
+    ref = with_custom_op(tx)
+    ref.backward()
+    np.testing.assert_allclose(jax.jit(f)(x), ref.item(), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(f))(x), tx.grad.numpy(), rtol=1e-5)
+    assert "torch_call" in str(jax.make_jaxpr(f)(x))  # the custom op, and only it
+    report = torchjax.lowering_report(with_custom_op, x)
+    assert [r.op for r in report.callbacks] == ["torchjax_test.cube.default"]
+    assert "no lowering" in report.callbacks[0].why
+    assert {r.op for r in report.ops if r.lowered} >= {"aten.sin.default", "aten.mean.default"}
+    assert not report.exportable and "host_callback" in report.export_error
+    assert "torchjax_test.cube.default" in str(report)
+
+
+def test_report_of_a_fully_lowered_module_with_symbolic_batch():
+    mlp = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    (b,) = jax.export.symbolic_shape("b")
+    report = torchjax.lowering_report(mlp, jax.ShapeDtypeStruct((b, 3), jnp.float32))
+    assert report.fully_lowered and report.exportable, str(report)
+    assert {r.op for r in report.ops} >= {"aten.relu.default"}
+
+
+def test_random_ops_in_to_jax_draw_from_torchs_generator():
+    def noisy(x):
+        return x + torch.rand_like(x)
+
+    f = torchjax.to_jax(noisy, lowering="xla")
+    x = np.zeros(4, np.float32)
+    torch.manual_seed(3)
+    got = f(x)
+    torch.manual_seed(3)
+    np.testing.assert_allclose(got, torch.rand(4).numpy())  # the same draws as torch
+    report = torchjax.lowering_report(noisy, x)
+    assert any("random op" in r.why for r in report.callbacks), str(report)
+
+
+# -- a module -----------------------------------------------------------------------------
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(4, 16)
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.ln = torch.nn.LayerNorm(16)
+        self.drop = torch.nn.Dropout(0.5)
+        self.l2 = torch.nn.Linear(16, 3)
+
+    def forward(self, x):  # [B, 4] -> [B, 3]
+        return self.l2(self.drop(self.ln(torch.relu(self.bn(self.l1(x))))))
+
+
+def _block(train: bool) -> Block:
+    torch.manual_seed(0)
+    m = Block()
+    m.bn.running_mean.uniform_()
+    return m.train(train)
+
+
+XB = rng.standard_normal((8, 4)).astype(np.float32)
+
+
+def test_module_eval_equals_torch_under_every_transform():
+    m = _block(False)
+    apply, v = torchjax.module_to_jax(m, lowering="xla")
+    np.testing.assert_allclose(jax.jit(apply)(v, XB), m(_t(XB)).detach().numpy(), atol=1e-5)
+    names = dict(m.named_parameters())
+    params = {k: _t(np.asarray(a)) for k, a in v["params"].items()}
+    buffers = {k: _t(np.asarray(a)) for k, a in v["buffers"].items()}
+
+    def torch_loss(p, x):
+        return torch.func.functional_call(m, {**p, **buffers}, (x,)).pow(2).sum()
+
+    jax_loss = lambda p, x: (apply({"params": p, "buffers": v["buffers"]}, x) ** 2).sum()  # noqa: E731
+    got = jax.jit(jax.grad(jax_loss))(v["params"], XB)
+    ref = torch.func.grad(torch_loss)(params, _t(XB))
+    assert set(got) == set(names)
+    for k in names:
+        np.testing.assert_allclose(got[k], ref[k].numpy(), rtol=1e-4, atol=1e-5)
+    xs = rng.standard_normal((3, 8, 4)).astype(np.float32)
+    np.testing.assert_allclose(
+        jax.vmap(apply, in_axes=(None, 0))(v, xs),
+        torch.func.vmap(lambda x: m(x))(_t(xs)).detach().numpy(),
+        atol=1e-5,
+    )
+    x_loss = lambda x: (apply(v, x) ** 2).sum()  # noqa: E731
+    hess = jax.hessian(x_loss)(XB[:2])
+    ref = torch.func.hessian(lambda x: m(x).pow(2).sum())(_t(XB[:2]))
+    np.testing.assert_allclose(hess, ref.detach().numpy(), rtol=1e-4, atol=1e-4)
+    _, tangent = jax.jvp(lambda x: apply(v, x), (XB,), (XB,))
+    _, ref = torch.func.jvp(lambda x: m(x), (_t(XB),), (_t(XB),))
+    np.testing.assert_allclose(tangent, ref.detach().numpy(), atol=1e-5)
+    _no_callback(jax.grad(jax_loss), v["params"], XB)
+
+
+def test_module_train_mode_buffers_and_dropout_key():
+    m = _block(True)
+    apply, v = torchjax.module_to_jax(m, lowering="xla")
+    key = jax.random.key(0)
+    out, new = apply(v, XB, mutable=True, rng=key)
+    ref = _block(True)
+    ref.drop.p = 0.0  # the masks differ (JAX's generator); the statistics do not
+    ref(_t(XB))
+    for name, t in ref.named_buffers():
+        np.testing.assert_allclose(new[name], t.numpy(), rtol=1e-5, atol=1e-6)
+    same, _ = apply(v, XB, mutable=True, rng=key)
+    other, _ = apply(v, XB, mutable=True, rng=jax.random.key(1))
+    np.testing.assert_array_equal(out, same)
+    assert not np.allclose(out, other)
+    assert np.asarray(v["buffers"]["bn.num_batches_tracked"]) == 0  # the caller's, unchanged
+    with pytest.warns(StateWarning, match="bn.running_mean"):
+        apply(v, XB, rng=key)  # mutable=False: the writes are dropped, and said so
+    _no_callback(lambda v, x: apply(v, x, mutable=True, rng=key), v, XB)
+
+
+def test_three_optax_steps_equal_three_torch_optim_steps():
+    def make():
+        torch.manual_seed(1)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    x, y = XB, rng.standard_normal((8, 1)).astype(np.float32)
+    model = make()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(_t(x)), _t(y)).backward()
+        opt.step()
+    apply, v = torchjax.module_to_jax(make(), lowering="xla")
+    tx = optax.adam(0.05)
+    params, state = v["params"], tx.init(v["params"])
+
+    @jax.jit
+    def step(params, state):
+        loss = lambda p: jnp.mean((apply({"params": p, "buffers": {}}, x) - y) ** 2)  # noqa: E731
+        updates, state = tx.update(jax.grad(loss)(params), state, params)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(3):
+        params, state = step(params, state)
+    for name, t in model.named_parameters():
+        np.testing.assert_allclose(params[name], t.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_tiny_transformers_model_lowers_and_matches_torch():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=50, use_cache=False
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, use_cache=False).logits
+
+    ids = np.array([[1, 5, 7, 9, 2, 3]], np.int32)
+    apply, v = torchjax.module_to_jax(Logits(), lowering="xla")
+    ref = model(input_ids=_t(ids).long()).logits.detach().numpy()
+    np.testing.assert_allclose(jax.jit(apply)(v, ids), ref, rtol=1e-4, atol=1e-4)
+    report = torchjax.lowering_report(apply, v, ids)
+    assert report.ops and all(r.lowered for r in report.ops), str(report)
+
+
+# -- semantics shared with the callback path ----------------------------------------------
+def test_in_place_write_into_an_input_is_refused():
+    f = torchjax.to_jax(lambda x: x.mul_(2), lowering="xla")
+    x = np.ones(3, np.float32)
+    with pytest.raises(InPlaceMutationError, match=r"args\[0\]"):
+        f(x)
+    np.testing.assert_array_equal(x, 1)
+
+
+def test_python_branch_on_a_value_names_the_frame_and_the_fix():
+    def branchy(x):
+        if x.sum() > 0:  # a value decides what runs
+            return x * 2
+        return x
+
+    f = torchjax.to_jax(branchy, lowering="xla")
+    with pytest.raises(LoweringError, match='lowering="callback"') as info:
+        f(np.ones(3, np.float32))
+    assert "test_lowering_xla.py" in str(info.value) and "if x.sum() > 0" in str(info.value)
+
+
+def test_the_users_own_exception_stays_theirs():
+    def checks(x):
+        if x.shape[0] != 4:
+            raise ValueError("expected 4 rows")
+        return x
+
+    with pytest.raises(ValueError, match="expected 4 rows") as info:
+        torchjax.to_jax(checks, lowering="xla")(np.ones(3, np.float32))
+    assert not isinstance(info.value, LoweringError)
+
+
+def test_options_are_checked():
+    with pytest.raises(ArgumentError, match="lowering='fast' is not one of"):
+        torchjax.to_jax(torch.sin, lowering="fast")
+    with pytest.raises(ArgumentError, match="result_shape_dtypes is for lowering='callback'"):
+        torchjax.to_jax(torch.sin, lowering="xla", result_shape_dtypes=jnp.zeros(3))
+    with pytest.raises(ArgumentError, match="lowering="):
+        torchjax.module_to_jax(torch.nn.Linear(2, 2), lowering="XLA")
+    f = torchjax.to_jax(lambda x, s: x * len(s), lowering="xla")
+    with pytest.raises(StaticArgumentError, match=r"args\[1\] is a set"):
+        f(np.ones(2, np.float32), {1, 2})
+
+
+def test_a_later_change_to_a_closed_over_tensor_is_not_seen():
+    # The program holds a private copy of what the function closes over (a function of its
+    # inputs), and the caller's tensor is never written.
+    w = torch.ones(3)
+    f = torchjax.to_jax(lambda x: x * w, lowering="xla")
+    np.testing.assert_array_equal(f(np.ones(3, np.float32)), 1)
+    w.mul_(5)
+    np.testing.assert_array_equal(f(np.ones(3, np.float32)), 1)
+
+
+# -- serving: jax.export with symbolic shapes, run where torch cannot be imported ----------
+_SERVE = """
+import sys
+sys.modules["torch"] = None  # `import torch` fails in this process
+try:
+    import torch  # noqa: F401
+except ImportError:
+    pass
+else:
+    raise SystemExit("torch imported")
+import numpy as np
+from jax import export
+exported = export.deserialize(open(sys.argv[1], "rb").read())
+x = np.load(sys.argv[2])
+np.save(sys.argv[3], np.asarray(exported.call(x)))
+"""
+
+
+@pytest.mark.slow
+def test_exported_mlp_serves_another_batch_size_without_torch(tmp_path):
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+    apply, v = torchjax.module_to_jax(mlp, lowering="xla")
+    (b,) = jax.export.symbolic_shape("b")
+    exported = jax.export.export(jax.jit(lambda x: apply(v, x)))(
+        jax.ShapeDtypeStruct((b, 3), jnp.float32)
+    )
+    (tmp_path / "mlp.bin").write_bytes(exported.serialize())
+    x = rng.standard_normal((11, 3)).astype(np.float32)  # b=11: a size never traced
+    np.save(tmp_path / "x.npy", x)
+    env = {k: val for k, val in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(_SERVE),
+            *(str(tmp_path / n) for n in ("mlp.bin", "x.npy", "y.npy")),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    np.testing.assert_allclose(
+        np.load(tmp_path / "y.npy"), mlp(_t(x)).detach().numpy(), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_a_symbolic_expression_is_refused_with_the_fix():
+    f = torchjax.to_jax(lambda x: x * 2, lowering="xla")
+    (b,) = jax.export.symbolic_shape("b")
+    with pytest.raises(LoweringError, match="2\\*b"):
+        jax.eval_shape(f, jax.ShapeDtypeStruct((2 * b,), jnp.float32))
+
+
+# -- import stays free of side effects -----------------------------------------------------
+_IMPORT = """
+import os, torch, torch._decomp, jax
+def settings():
+    tables = torch._decomp.global_decomposition_table
+    return (torch.backends.mha.get_fastpath_enabled(),
+            os.environ.get("ENABLE_RUNTIME_UPTIME_TELEMETRY"),
+            {k: len(v) for k, v in tables.items()})
+before = settings()
+import torchjax, numpy as np
+assert "torchax" not in __import__("sys").modules  # import torchjax does not import it
+torchjax.to_jax(torch.sin, lowering="xla")(np.ones(2, np.float32))
+assert "torchax" in __import__("sys").modules
+after = settings()
+assert before == after, (before, after)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_the_op_tables_import_leaves_global_settings_as_they_were():
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT], capture_output=True, text=True, timeout=180
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_sharded_inputs_partition_on_four_devices():
+    script = os.path.join(os.path.dirname(__file__), "lowering_multidevice_script.py")
+    result = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data parallel: ok" in result.stdout and "tensor parallel: ok" in result.stdout
