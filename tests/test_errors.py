@@ -28,6 +28,7 @@ PUBLIC = [
     "AutodiffError",
     "JaxOutputError",
     "VariablesError",
+    "LoweringError",
 ]
 # warnings, not errors: torchjax carries on after them
 WARNINGS = ["StateWarning", "ShardingWarning", "CopyWarning"]
@@ -116,6 +117,14 @@ def _argument():
     torchjax.to_jax(torch.sin, vmap_method="loop")  # not one of the choices
 
 
+def _lowering():
+    # A symbolic size that is an expression: torch.export's dims map plain symbols only.
+    # (Checked before the op table is needed: this case runs without the [xla] extra too.)
+    (b,) = jax.export.symbolic_shape("b")
+    f = torchjax.to_jax(lambda x: x * 2, lowering="xla")
+    jax.eval_shape(f, jax.ShapeDtypeStruct((2 * b,), jnp.float32))
+
+
 CASES = {
     "ArgumentError": (_argument, r"vmap_method.*'loop'.*'torch.func'"),
     "ConversionError": (_conversion, r"args\[0\] is a torch.Tensor"),
@@ -128,6 +137,7 @@ CASES = {
     "AutodiffError": (_autodiff, "grad_method='autograd'"),
     "JaxOutputError": (_jax_output, r"output\[1\] is a str"),
     "VariablesError": (_variables, r"'weight'\] has shape \[3, 3\]"),
+    "LoweringError": (_lowering, r"args\[0\] has the symbolic dimension '2\*b'"),
 }
 
 

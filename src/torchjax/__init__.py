@@ -2,7 +2,7 @@
 
 from torchjax import errors
 from torchjax._convert import tree_to_jax, tree_to_torch
-from torchjax._lowering_report import LoweringReport, OpRoute, lowering_report
+from torchjax._lowering_report import lowering_report
 from torchjax._module_to_jax._module_to_jax import module_to_jax
 from torchjax._primitive._core import PytreePrimitive
 from torchjax._to_jax._to_jax import to_jax
@@ -11,8 +11,6 @@ from torchjax._to_torch._to_torch_module import to_torch_module
 from torchjax._version import __version__ as __version__
 
 __all__ = [
-    "LoweringReport",
-    "OpRoute",
     "PytreePrimitive",
     "errors",
     "lowering_report",

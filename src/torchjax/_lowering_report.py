@@ -8,10 +8,10 @@ import torch
 
 from torchjax._module_to_jax._module_to_jax import ModuleFunction, module_to_jax
 from torchjax._to_jax._lower._lowered import Lowered
-from torchjax._to_jax._lower._report import LoweringReport, OpRoute, report
+from torchjax._to_jax._lower._report import LoweringReport, report
 from torchjax._to_jax._to_jax import to_jax
 
-__all__ = ["LoweringReport", "OpRoute", "lowering_report"]
+__all__ = ["lowering_report"]
 
 
 def lowering_report(fn: Callable, *example_args: Any, **kwargs: Any) -> LoweringReport:

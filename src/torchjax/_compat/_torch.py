@@ -350,10 +350,11 @@ def batched_here(t: Any) -> bool:
 # torch operators (torch.ops.aten.sin, a torch.library.custom_op), named in messages by
 # their own names ("aten.sin.default", "mylib::op") rather than their Python classes'.
 _NO_OP_NAME = "messages name a torch operator by its class"
+_OP_OVERLOAD = private("torch._ops.OpOverload", fallback=_NO_OP_NAME)
 _OPERATOR_TYPES = tuple(
     t
     for t in (
-        private("torch._ops.OpOverload", fallback=_NO_OP_NAME),
+        _OP_OVERLOAD,
         private("torch._ops.OpOverloadPacket", fallback=_NO_OP_NAME),
         private("torch._library.custom_ops.CustomOpDef", fallback=_NO_OP_NAME),
     )
@@ -366,6 +367,31 @@ def operator_name(fn: Any) -> str | None:
     if not isinstance(fn, _OPERATOR_TYPES):
         return None
     return str(getattr(fn, "_qualname", None) or fn)  # a custom op's "namespace::name"
+
+
+# lowering="xla" (_to_jax/_lower/): a graph node's target is an ATen or custom op (an
+# OpOverload), a higher-order op (control flow, which it cannot lower) or a Python function;
+# torch's global decomposition tables, which torchax's import writes into and the loader
+# puts back.
+_NO_LOWERING = 'lowering="xla" cannot tell ops from other graph nodes (it refuses to run)'
+_HIGHER_ORDER = private("torch._ops.HigherOrderOperator", fallback=_NO_LOWERING)
+DECOMPOSITION_TABLES = or_(
+    private(
+        "torch._decomp.global_decomposition_table",
+        fallback="torchax's import leaves its decompositions in torch's global table",
+    ),
+    {},
+)
+
+
+def is_op_overload(target: Any) -> bool:
+    """Whether a graph node's target is one overload of a torch operator."""
+    return _OP_OVERLOAD is not ABSENT and isinstance(target, _OP_OVERLOAD)
+
+
+def is_higher_order_op(target: Any) -> bool:
+    """Whether a graph node's target is a higher-order op (torch.cond, a wrapped subgraph)."""
+    return _HIGHER_ORDER is not ABSENT and isinstance(target, _HIGHER_ORDER)
 
 
 # Fake tensors: output shapes without data (_fake/_run.py, _module_to_jax.py, _convert.py).

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import torch
 
+from torchjax._compat._torch import DECOMPOSITION_TABLES, is_op_overload
 from torchjax._errors import LoweringError
 from torchjax._to_jax._context import LOWERING_LOCK
 
@@ -44,7 +45,7 @@ class OpTable:
     def lowering(self, target: Any) -> Any:
         """torchax's Operator for `target`, or None."""
         op = self.ops.get(target)
-        if op is None and isinstance(target, torch._ops.OpOverload):
+        if op is None and is_op_overload(target):
             op = self.ops.get(target.overloadpacket)
         return op
 
@@ -79,9 +80,9 @@ def _contained(load: Callable[[], OpTable]) -> OpTable:
     fastpath = torch.backends.mha.get_fastpath_enabled()
     telemetry = os.environ.get(_TELEMETRY)
     pjrt = getattr(jax.config, _PJRT_OPTION, None)
-    # torchax registers its extra decompositions into torch's global table, which
-    # torch.compile and other users of torch._decomp read; its own copy is all we need.
-    tables = torch._decomp.global_decomposition_table
+    # torchax registers its extra decompositions into torch's global tables, which
+    # torch.compile reads; its own copy of them is all lowering needs.
+    tables = DECOMPOSITION_TABLES
     saved = {kind: dict(table) for kind, table in tables.items()}
     try:
         return load()

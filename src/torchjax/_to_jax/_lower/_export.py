@@ -86,33 +86,38 @@ def _dim_spec(shape: tuple, path: str, dims: dict) -> tuple[list, dict | None]:
     return sizes, (spec or None)
 
 
+def examples(avals: list, paths: list[str]) -> tuple[list, dict | None]:
+    """Example tensors for a signature's arrays and torch.export's dynamic shapes for them
+    (None where every size is static): JAX's symbolic dimensions become torch.export dims,
+    one per symbol. `paths` name the arrays in messages."""
+    dims: dict = {}
+    tensors, specs = [], []
+    for aval, path in zip(avals, paths, strict=True):
+        sizes, spec = _dim_spec(tuple(aval.shape), path, dims)
+        tensors.append(torch.zeros(sizes, dtype=torch_dtype(aval.dtype)))
+        specs.append(spec)
+    return tensors, ({"tensors": specs} if any(s is not None for s in specs) else None)
+
+
 def capture(
     fn: Callable,
     name: str,
     in_tree: Any,
     template: tuple,
-    avals: list,
-    paths: list[str],
+    example: tuple[list, dict | None],
     table: OpTable,
 ) -> tuple[torch.export.ExportedProgram, Captured]:
     """torch.export `fn` at one signature and decompose its graph to the ops the table lowers.
 
     `template` holds (True, None) where an array goes and (False, leaf) for a static leaf;
-    `avals` are the arrays' types (shapes may hold JAX symbolic dimensions), `paths` their
-    argument paths for messages.
+    `example` is what examples() made of the signature's arrays.
     """
-    dims: dict = {}
-    examples, specs = [], []
-    for aval, path in zip(avals, paths, strict=True):
-        sizes, spec = _dim_spec(tuple(aval.shape), path, dims)
-        examples.append(torch.zeros(sizes, dtype=torch_dtype(aval.dtype)))
-        specs.append(spec)
+    tensors, dynamic = example
     captured = Captured()
     flat = _Flat(fn, in_tree, template, captured)
-    dynamic = {"tensors": specs} if any(s is not None for s in specs) else None
     try:
         with torch.enable_grad():  # the grad mode plain torch code runs in
-            program = torch.export.export(flat, (examples,), dynamic_shapes=dynamic, strict=False)
+            program = torch.export.export(flat, (tensors,), dynamic_shapes=dynamic, strict=False)
     except TorchJaxError:
         raise
     except Exception as error:

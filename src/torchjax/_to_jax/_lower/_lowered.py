@@ -15,7 +15,7 @@ from torchjax._errors import StaticArgumentError
 from torchjax._to_jax._call._guard import inplace_error
 from torchjax._to_jax._context import LOWERING_LOCK
 from torchjax._to_jax._lower._engine import op_table
-from torchjax._to_jax._lower._export import capture
+from torchjax._to_jax._lower._export import capture, examples
 from torchjax._to_jax._lower._program import Program
 
 _tree = jax.tree_util
@@ -82,10 +82,11 @@ class Lowered:
 
     def _lower(self, key: Any, arrays: list, paths: list) -> tuple:
         in_tree, template, types = key
-        table = op_table()
         avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in types]
         names = [self.describe(p) for p in paths]
-        exported, captured = capture(self.fn, self.name, in_tree, template, avals, names, table)
+        example = examples(avals, names)  # (its errors first: they need no op table)
+        table = op_table()
+        exported, captured = capture(self.fn, self.name, in_tree, template, example, table)
         program = Program(self.name, exported, captured, table, self.callback)
         for i in program.mutated_inputs:
             if not self.may_write(paths[i]):

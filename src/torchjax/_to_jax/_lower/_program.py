@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
+from torchjax._compat._torch import is_higher_order_op, is_op_overload
 from torchjax._convert import canonical_jax_dtype, tensor_to_jax
 from torchjax._errors import LoweringError
 from torchjax._to_jax._lower._callback_ops import CALLBACK_OPS
@@ -58,8 +59,8 @@ class _Keys:
 
 def op_name(target: Any) -> str:
     """`aten.add.Tensor` for torch.ops.aten.add.Tensor; a custom op by its namespace."""
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._opname}.{target._overloadname}"
+    if is_op_overload(target):
+        return str(target)
     return getattr(target, "__name__", repr(target))
 
 
@@ -114,7 +115,7 @@ class Program:
             self.n_mutations += 1
         self.routes: dict[str, Route] = {}
         for node in self.graph.nodes:
-            if isinstance(node.target, torch._ops.HigherOrderOperator):
+            if is_higher_order_op(node.target):
                 raise LoweringError(_HIGHER_ORDER.format(name=name, op=op_name(node.target)))
             if node.op == "get_attr":
                 op = f"a submodule ({node.target})"
@@ -148,7 +149,7 @@ class Program:
 
     def _call(self, node: torch.fx.Node, args: tuple, kwargs: dict, keys: _Keys | None) -> Any:
         target = node.target
-        if not isinstance(target, torch._ops.OpOverload):
+        if not is_op_overload(target):
             return target(*args, **kwargs)  # operator.getitem, arithmetic on sizes
         name = op_name(target)
         op = self.table.lowering(target)
