@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,8 @@ _EXPRESSION = """\
 lowering="xla": {path} has the symbolic dimension {dim!r}, an expression. torch.export's dims
 map only plain symbols: give the argument its own symbol (jax.export.symbolic_shape("b, 3")),
 and compute derived sizes inside the function."""
+
+_TREESPEC_NOTICE = r".*isinstance\(treespec, LeafSpec\)"
 
 # Example sizes for symbolic dimensions: distinct and above 1, so torch.export neither
 # specializes a dim to 0/1 nor takes two different symbols for equal.
@@ -116,7 +119,9 @@ def capture(
     captured = Captured()
     flat = _Flat(fn, in_tree, template, captured)
     try:
-        with torch.enable_grad():  # the grad mode plain torch code runs in
+        with torch.enable_grad(), warnings.catch_warnings():  # the grad mode torch code runs in
+            # torch.export's own pytree deprecation notice, about its internals, not user code.
+            warnings.filterwarnings("ignore", _TREESPEC_NOTICE, FutureWarning)
             program = torch.export.export(flat, (tensors,), dynamic_shapes=dynamic, strict=False)
     except TorchJaxError:
         raise
@@ -124,8 +129,10 @@ def capture(
         if _raised_by_user(error):
             raise  # the user's own exception (an input check, say) stays theirs
         raise LoweringError(_not_captured(name, error)) from error
-    program = program.run_decompositions(_core_decompositions())
-    program = program.run_decompositions(table.decompositions)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _TREESPEC_NOTICE, FutureWarning)
+        program = program.run_decompositions(_core_decompositions())
+        program = program.run_decompositions(table.decompositions)
     return program, captured
 
 
