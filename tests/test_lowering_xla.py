@@ -460,3 +460,21 @@ def test_sharded_inputs_partition_on_four_devices():
     result = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "data parallel: ok" in result.stdout and "tensor parallel: ok" in result.stdout
+
+
+def test_capture_leaves_no_fake_tensor_in_a_cache_filled_on_first_use():
+    class Cached(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cache = None
+
+        def forward(self, x):  # [3] -> [3]
+            if self.cache is None:
+                self.cache = torch.cos(x).clone()
+            return x * self.cache
+
+    c = Cached()
+    f = torchjax.to_jax(lambda x: c(x), lowering="xla")
+    x = np.linspace(0, 1, 3).astype(np.float32)
+    np.testing.assert_allclose(jax.jit(f)(x), x * np.cos(x), rtol=1e-6)
+    assert c.cache is None  # torch.export's fake tensors never reach the user's module

@@ -15,6 +15,8 @@ import torch
 
 from torchjax._convert import torch_dtype
 from torchjax._errors import LoweringError, TorchJaxError
+from torchjax._to_jax._context import FAKE_RUN_LOCK
+from torchjax._to_jax._fake._isolation import FakeRunState
 from torchjax._to_jax._lower._engine import OpTable
 
 _tree = jax.tree_util
@@ -118,8 +120,12 @@ def capture(
     tensors, dynamic = example
     captured = Captured()
     flat = _Flat(fn, in_tree, template, captured)
+    # torch.export runs the function's Python on fake tensors: what it leaves in the state
+    # the function reaches (a cache filled on first use) is put back, as after a fake run.
+    touched = FakeRunState(fn, name)
     try:
-        with torch.enable_grad(), warnings.catch_warnings():  # the grad mode torch code runs in
+        # (enable_grad: the grad mode plain torch code runs in)
+        with FAKE_RUN_LOCK, torch.enable_grad(), warnings.catch_warnings():
             # torch.export's own pytree deprecation notice, about its internals, not user code.
             warnings.filterwarnings("ignore", _TREESPEC_NOTICE, FutureWarning)
             program = torch.export.export(flat, (tensors,), dynamic_shapes=dynamic, strict=False)
@@ -129,6 +135,8 @@ def capture(
         if _raised_by_user(error):
             raise  # the user's own exception (an input check, say) stays theirs
         raise LoweringError(_not_captured(name, error)) from error
+    finally:
+        touched.restore()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", _TREESPEC_NOTICE, FutureWarning)
         program = program.run_decompositions(_core_decompositions())
