@@ -53,8 +53,8 @@ np.save(sys.argv[3], np.asarray(exported.call(variables, x)))
 """
 
 x = np.random.default_rng(0).standard_normal((37, 16)).astype(np.float32)  # batch 37
-with tempfile.TemporaryDirectory() as tmp:
-    tmp = pathlib.Path(tmp)
+with tempfile.TemporaryDirectory() as name:
+    tmp = pathlib.Path(name)
     (tmp / "model.jax").write_bytes(exported.serialize())
     host = jax.tree.map(np.asarray, variables)
     (tmp / "inputs.pkl").write_bytes(pickle.dumps((host, x)))
