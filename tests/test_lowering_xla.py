@@ -478,3 +478,22 @@ def test_capture_leaves_no_fake_tensor_in_a_cache_filled_on_first_use():
     x = np.linspace(0, 1, 3).astype(np.float32)
     np.testing.assert_allclose(jax.jit(f)(x), x * np.cos(x), rtol=1e-6)
     assert c.cache is None  # torch.export's fake tensors never reach the user's module
+
+
+def test_a_moved_module_and_a_pickled_apply():
+    import pickle
+
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))  # noqa: E731
+    m, ref = make(), make()
+    ref.load_state_dict(m.state_dict())
+    apply, v = torchjax.module_to_jax(m, copy="move", lowering="xla")
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    out, new = apply(v, x, mutable=True)
+    np.testing.assert_allclose(out, ref(_t(x)).detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new["1.running_var"], ref[1].running_var.numpy(), rtol=1e-6)
+    lin = torch.nn.Linear(3, 2)
+    apply, v = torchjax.module_to_jax(lin, lowering="xla")
+    again = pickle.loads(pickle.dumps(apply))
+    np.testing.assert_allclose(again(v, x), lin(_t(x)).detach().numpy(), rtol=1e-6, atol=1e-6)
+    _no_callback(again, v, x)

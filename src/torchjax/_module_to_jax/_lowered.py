@@ -24,13 +24,27 @@ def _describe(path: tuple) -> str:
     return names[group] + jax.tree_util.keystr(tuple(path[2:]))
 
 
+def _shell(module: torch.nn.Module) -> torch.nn.Module:
+    """A private copy of `module` whose parameters and buffers are meta tensors of the same
+    shapes: functional_call puts each call's in their places, so copying the weights would
+    only cost memory (and a module after copy="move" holds tensors without data)."""
+    memo: dict[int, Any] = {}
+    for group in (module.named_parameters, module.named_buffers):
+        for _, t in group(remove_duplicate=False):
+            empty = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            if isinstance(t, torch.nn.Parameter):
+                empty = torch.nn.Parameter(empty, requires_grad=t.requires_grad)
+            memo[id(t)] = empty
+    return copy.deepcopy(module, memo)
+
+
 class ModuleLowering:
     """One Lowered per mode of the submodules (torch.export traces the mode it finds)."""
 
     def __init__(self, state: ModuleState, options: Options):
         self.state, self.options = state, options
         self.name = type(state.module).__name__
-        self.module = copy.deepcopy(state.module)  # the copy torch.export traces
+        self.module = _shell(state.module)  # the copy torch.export traces
         self.by_mode: dict[tuple, Lowered] = {}
 
     def _lowered(self, mode: tuple) -> Lowered:
