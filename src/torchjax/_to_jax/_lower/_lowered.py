@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from torchjax._convert import is_array
+from torchjax._convert import canonical_jax_dtype, is_array, torch_dtype
 from torchjax._errors import StaticArgumentError
 from torchjax._to_jax._call._guard import inplace_error
 from torchjax._to_jax._context import LOWERING_LOCK
@@ -64,7 +64,8 @@ class Lowered:
                         f"Pass it as an array, or as a tuple/frozenset instead."
                     ) from None
                 template.append((False, leaf))
-        types = tuple((tuple(a.shape), jax.dtypes.canonicalize_dtype(a.dtype)) for a in arrays)
+        # (a numpy float64 array is float32 to JAX with x64 off: the types JAX will trace)
+        types = tuple((tuple(a.shape), canonical_jax_dtype(torch_dtype(a.dtype))) for a in arrays)
         return (in_tree, tuple(template), types), arrays, paths
 
     def program(self, tree_args: Any) -> tuple[Program, Callable, list, list]:
