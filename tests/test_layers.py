@@ -16,6 +16,7 @@ SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
 # a module may import its own layer or lower ones.
 LAYERS = [
     ("torchjax._version", "torchjax._errors", "torchjax.errors", "torchjax._compat"),
+    ("torchjax._log",),
     ("torchjax._convert",),
     ("torchjax._primitive",),
     ("torchjax._to_jax._options", "torchjax._to_jax._context", "torchjax._to_jax._hooks"),

@@ -528,3 +528,11 @@ buffer_callback = or_(
     ),
     None,
 )
+
+
+# Whether a jax.profiler trace records now (jaxlib's TraceMe): torchjax's ranges are entered
+# only then (_log.py).
+_trace_me = private(
+    "jax._src.lib._profiler.TraceMe", fallback="jax.profiler shows no torchjax ranges"
+)
+jax_profiler_active = or_(getattr(_trace_me, "is_enabled", ABSENT), lambda: False)

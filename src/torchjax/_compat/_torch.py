@@ -394,6 +394,14 @@ def is_higher_order_op(target: Any) -> bool:
     return _HIGHER_ORDER is not ABSENT and isinstance(target, _HIGHER_ORDER)
 
 
+# Whether a torch.profiler (or autograd profiler) records now: torchjax's ranges are entered
+# only then (_log.py). Without it, no range is ever recorded.
+profiler_enabled = or_(
+    private("torch.autograd._profiler_enabled", fallback="torch.profiler shows no torchjax ranges"),
+    lambda: False,
+)
+
+
 # Fake tensors: output shapes without data (_fake/_run.py, _module_to_jax.py, _convert.py).
 fake_tensor = private("torch._subclasses.fake_tensor")
 FakeTensorMode = private("torch._subclasses.fake_tensor.FakeTensorMode")

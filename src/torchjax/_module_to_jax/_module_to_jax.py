@@ -33,6 +33,7 @@ from torchjax._compat._torch import (
 )
 from torchjax._convert import tensors_to_jax
 from torchjax._errors import ArgumentError, VariablesError
+from torchjax._log import logger
 from torchjax._module_to_jax._copies import ModuleState
 from torchjax._module_to_jax._lowered import ModuleLowering
 from torchjax._module_to_jax._move import move_out
@@ -247,6 +248,12 @@ def _copy_buffers(values: list, n_params: int) -> list:
     one per distinct tensor (a buffer tied between submodules stays one), of version 0."""
     copies: dict[int, torch.Tensor] = {}
     values = list(values)
+    if len(values) > n_params:
+        logger.debug(
+            "copies of %d buffers for a call that may write them in place (first run in "
+            "this mode, or it wrote before)",
+            len(values) - n_params,
+        )
     for j in range(n_params, len(values)):
         t = values[j]
         if id(t) not in copies:

@@ -38,6 +38,8 @@ import threading
 import weakref
 from typing import Any
 
+from torchjax._log import logger
+
 FAKE_RUN_LOCK = threading.RLock()
 
 
@@ -95,8 +97,15 @@ class GraphStore:
             while self._graphs and (
                 len(self._graphs) > self.max_count or self._bytes > self.max_bytes
             ):
-                _, old = self._graphs.popitem(last=False)
+                old_handle, old = self._graphs.popitem(last=False)
                 self._bytes -= old.nbytes
+                logger.debug(
+                    "kept graph %d evicted (more than %d graphs or %d bytes kept): its VJP "
+                    "will run the forward again",
+                    old_handle,
+                    self.max_count,
+                    self.max_bytes,
+                )
             return handle if handle in self._graphs else 0
 
     def take(self, handle: int) -> Any:

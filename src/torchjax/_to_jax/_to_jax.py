@@ -15,6 +15,7 @@ from torchjax._compat._jax import traceback_boundary
 from torchjax._compat._torch import any_autocast, autocast_state
 from torchjax._convert import is_array
 from torchjax._errors import ArgumentError, StaticArgumentError
+from torchjax._log import profiled, profiling
 from torchjax._to_jax._callables._user import UserFunction
 from torchjax._to_jax._fake._run import function_name
 from torchjax._to_jax._hooks import NO_HOOKS, CallHooks
@@ -160,9 +161,7 @@ def wrap(
     user = UserFunction(fn, result_shape_dtypes, hooks)
     params = torch_call_p._bound_params({"fn": user, "options": options})
 
-    @functools.wraps(fn)
-    @traceback_boundary  # an error's traceback starts at the user's call
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+    def call(args: tuple, kwargs: dict) -> Any:
         bound = params
         if any_autocast():  # a call in torch.autocast: the variant that runs in it
             variant = user.variant(autocast_state())
@@ -179,6 +178,16 @@ def wrap(
             # bind names paths in its own (args, kwargs) pair; name them as the user wrote.
             _raise_unhashable(user, args, kwargs)
             raise
+
+    range_name = f"torchjax {user.name}"
+
+    @functools.wraps(fn)
+    @traceback_boundary  # an error's traceback starts at the user's call
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if profiling():  # a named range in the torch or jax profiler that records
+            with profiled(range_name):
+                return call(args, kwargs)
+        return call(args, kwargs)
 
     # The params (in user.bound_params) refer back to `user`; emptying that dict when the
     # wrapper dies frees the function, its closure and its signature caches at once,

@@ -44,6 +44,7 @@ from torchjax._errors import (
     TorchJaxError,
     warn,
 )
+from torchjax._log import logger
 from torchjax._primitive._params import ARRAY, is_operand
 from torchjax._to_jax import _hot as hot_paths
 from torchjax._to_jax._call._cuda import gpu_oom_note
@@ -305,6 +306,9 @@ class CallPlan:
                 raise self._inplace_error(k, _WROTE)
             if tensor_version(c):
                 raise self._inplace_error(k, _ON_COPY)
+        if not self.on_copies:
+            why = "it writes into them" if compare else "it keeps or reads their storage"
+            logger.debug("%s runs on copies of its inputs from now on: %s", self.name, why)
         if compare and not self.on_copies and self.fn.root not in WARNED_COPIES:
             WARNED_COPIES.add(self.fn.root)
             at = f", at {self.refused_at}" if self.refused_at else ""

@@ -26,6 +26,7 @@ from torchjax._compat._torch import (
 )
 from torchjax._convert import canonical_jax_dtype, check_has_data, torch_dtype
 from torchjax._errors import ConversionError, OutputMismatchError
+from torchjax._log import signature, timed
 from torchjax._to_jax._call._guard import WriteGuard, check_versions
 from torchjax._to_jax._context import FAKE_RUN_LOCK, failed_fake_run, fake_runs
 from torchjax._to_jax._fake._isolation import FakeRunState
@@ -161,7 +162,7 @@ def fake_eval(
     state_of = fn if state_of is None else state_of
     # torch logs every meta kernel that raises; this run re-raises what it meets.
     quiet_fake_tensor_log(lambda: fake_runs.depth > 0)
-    with FAKE_RUN_LOCK:
+    with FAKE_RUN_LOCK, timed("fake run of %s at %s", name, signature(args)):
         touched = FakeRunState(state_of, name, hooks.isolates_state)
         try:
             types, draws = _fake_run(fn, args, name, describe or _path_of, touched, hooks)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from torchjax._convert import canonical_jax_dtype, is_array, torch_dtype
 from torchjax._errors import StaticArgumentError
+from torchjax._log import signature, timed
 from torchjax._to_jax._call._guard import inplace_error
 from torchjax._to_jax._context import LOWERING_LOCK
 from torchjax._to_jax._lower._engine import op_table
@@ -87,7 +88,8 @@ class Lowered:
         names = [self.describe(p) for p in paths]
         example = examples(avals, names)  # (its errors first: they need no op table)
         table = op_table()
-        exported, captured = capture(self.fn, self.name, in_tree, template, example, table)
+        with timed("torch.export of %s at %s", self.name, signature(avals)):
+            exported, captured = capture(self.fn, self.name, in_tree, template, example, table)
         program = Program(self.name, exported, captured, table, self.callback)
         for i in program.mutated_inputs:
             if not self.may_write(paths[i]):

@@ -17,6 +17,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torchjax._compat._torch import is_higher_order_op, is_op_overload
 from torchjax._convert import canonical_jax_dtype, tensor_to_jax
 from torchjax._errors import LoweringError
+from torchjax._log import logger
 from torchjax._to_jax._lower._callback_ops import CALLBACK_OPS
 from torchjax._to_jax._lower._engine import OpTable
 from torchjax._to_jax._lower._export import Captured
@@ -170,6 +171,8 @@ class Program:
             else:
                 self.routes[node.name] = Route(node.name, name, True)
                 return out
+        if node.name not in self.routes:
+            logger.debug("%s: %s runs as a torch callback: %s", self.name, name, why)
         self.routes[node.name] = Route(node.name, name, False, why)
         return self.callback(target)(*args, **kwargs)
 

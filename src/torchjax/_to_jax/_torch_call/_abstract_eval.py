@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import jax
@@ -14,6 +15,7 @@ import torch
 
 from torchjax._convert import SUPPORTED_DTYPES, torch_dtype
 from torchjax._errors import ConversionError, ShardingWarning, warn
+from torchjax._log import debug_on, describe, logger, signature
 from torchjax._to_jax._callables._base import DerivedFunction
 from torchjax._to_jax._context import DTYPES_OK
 from torchjax._to_jax._options import Options
@@ -38,6 +40,8 @@ def check_input_dtype(where: str, dtype: Any) -> None:
 def abstract_eval(*args: Any, fn: Any, options: Options) -> Any:
     """Output types of ``fn(*args)``: declared by the user, found on fake tensors (the
     user's function), or derived from the inner function's (every derived function)."""
+    if debug_on(logging.DEBUG):  # JAX caches this rule per signature: once per trace
+        logger.debug("tracing %s at %s", describe(fn), signature(args))
     for path, leaf in _tree.tree_flatten_with_path(args)[0]:
         if isinstance(leaf, jax.core.ShapedArray) and leaf.dtype not in DTYPES_OK:
             check_input_dtype(fn.arg_path(path), leaf.dtype)

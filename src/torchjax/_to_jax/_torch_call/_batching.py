@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from torchjax._errors import VmapError
+from torchjax._log import describe, logger
 from torchjax._primitive._params import is_operand
 from torchjax._to_jax._callables._autodiff import JvpFunction, VjpFunction
 from torchjax._to_jax._callables._batched import BatchedFunction, LeadingAxisFunction
@@ -155,6 +156,7 @@ def by_method(args: tuple, axes: tuple, *, fn: Any, options: Options) -> tuple[A
     ]
     if method == "sequential":
         mapped = [i for i, a in enumerate(flat_axes) if a is not None]
+        logger.debug("vmap of %s runs one call per example (sequential)", describe(fn))
 
         def one(slices: list) -> Any:
             new = list(moved)

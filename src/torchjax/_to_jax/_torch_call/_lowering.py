@@ -31,6 +31,7 @@ from torchjax._convert import (
     array_to_tensor,
     torch_dtype,
 )
+from torchjax._log import describe, profiled, profiling
 from torchjax._primitive._core import lowering_is_partitioned
 from torchjax._to_jax import _hot as hot_paths
 from torchjax._to_jax._call._callback_errors import as_reported
@@ -73,6 +74,7 @@ def callback_call(
     share_outputs: bool = False,
     plan: CallPlan | None = None,
     draws: bool = False,
+    name: str = "torchjax",
 ) -> list[Any]:
     """Stage a host call of `run` into the current JAX trace; returns the flat outputs.
 
@@ -90,10 +92,10 @@ def callback_call(
         # Its outputs come out pinned to that one device, a sharding later JAX operations
         # on them cannot convert (jax 0.10): the barrier leaves the partitioner free to
         # place them.
-        outs = _pure_callback_call(run, operands, out_structs, out_paths, draws)
+        outs = _pure_callback_call(run, operands, out_structs, out_paths, draws, name)
         return list(jax.lax.optimization_barrier(list(outs)))
     if not USE_BUFFER_CALLBACK:
-        return _pure_callback_call(run, operands, out_structs, out_paths, draws)
+        return _pure_callback_call(run, operands, out_structs, out_paths, draws, name)
     on_cpu = None  # fixed by the first call: a buffer_callback is lowered for one platform
 
     def slow(host: Callable, ctx: Any, outs: list, ins: tuple) -> None:
@@ -139,7 +141,20 @@ def callback_call(
         host = hot_paths.jit_hot_host(plan, host)
     large = large_outputs(out_structs)  # on the CPU, huge pages for them (_call/_huge_pages.py)
     callback = _advising(host, large) if large else host  # (_host's recursion: not twice)
+    callback = _ranged(callback, name)
     return buffer_callback(callback, list(out_structs), has_side_effect=draws)(*operands)
+
+
+def _ranged(host: Callable, name: str) -> Callable:
+    """`host` as a named range in the torch or jax profiler that records, if one does."""
+
+    def ranged_host(ctx: Any, outs: list, *ins: Any) -> None:
+        if profiling():
+            with profiled(name):
+                return host(ctx, outs, *ins)
+        return host(ctx, outs, *ins)
+
+    return ranged_host
 
 
 def _advising(host: Callable, large: tuple[int, ...]) -> Callable:
@@ -189,8 +204,14 @@ def _is_buffer(value: Any, dst: torch.Tensor) -> bool:
     )
 
 
-def _pure_callback_call(run, operands, out_structs, out_paths, draws=False):
+def _pure_callback_call(run, operands, out_structs, out_paths, draws=False, name="torchjax"):
     def host(*arrays: np.ndarray) -> list[np.ndarray]:
+        if profiling():
+            with profiled(name):
+                return on_host(arrays)
+        return on_host(arrays)
+
+    def on_host(arrays: tuple) -> list[np.ndarray]:
         try:
             tensors = [array_to_tensor(a) for a in arrays]  # the one numpy conversion
             results = []
@@ -225,7 +246,8 @@ def lowering(*args: Any, fn: Any, options: Any, signature: Any) -> Any:
     # result_shape_dtypes, a seeded call) it may: merging two calls costs more than it saves.
     root = getattr(fn, "root", None)
     draws = root is not None and root.facts.get("draws", True)
-    outs = callback_call(plan.run, operands, plan.structs, plan.out_paths, share, plan, draws)
+    name = f"torchjax {describe(fn)}"  # its range in a profiler's trace
+    outs = callback_call(plan.run, operands, plan.structs, plan.out_paths, share, plan, draws, name)
     return jax.tree_util.tree_unflatten(plan.out_tree, outs)
 
 
