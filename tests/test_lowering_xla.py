@@ -3,6 +3,7 @@ compared with torch and torch.func computing the same thing, under every transfo
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -25,7 +26,10 @@ from torchjax.errors import (
     StaticArgumentError,
 )
 
-pytest.importorskip("torchax")
+# Not imported here: collecting this file must not import the op table (its import is what
+# the last tests check).
+if importlib.util.find_spec("torchax") is None:
+    pytest.skip("lowering='xla' needs torchax (the [xla] extra)", allow_module_level=True)
 
 rng = np.random.default_rng(0)
 
@@ -434,7 +438,9 @@ def settings():
     tables = torch._decomp.global_decomposition_table
     return (torch.backends.mha.get_fastpath_enabled(),
             os.environ.get("ENABLE_RUNTIME_UPTIME_TELEMETRY"),
-            {k: len(v) for k, v in tables.items()})
+            {k: len(v) for k, v in tables.items()},
+            torch._C._get_privateuse1_backend_name(), hasattr(torch, "jax"),
+            jax.config.jax_pjrt_client_create_options)
 before = settings()
 import torchjax, numpy as np
 assert "torchax" not in __import__("sys").modules  # import torchjax does not import it
@@ -442,6 +448,8 @@ torchjax.to_jax(torch.sin, lowering="xla")(np.ones(2, np.float32))
 assert "torchax" in __import__("sys").modules
 after = settings()
 assert before == after, (before, after)
+compiled = torch.compile(lambda x: x.cos() * 2)  # torch.compile still works
+assert torch.allclose(compiled(torch.ones(2)), torch.ones(2).cos() * 2)
 print("ok")
 """
 

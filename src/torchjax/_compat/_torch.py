@@ -384,6 +384,21 @@ DECOMPOSITION_TABLES = or_(
 )
 
 
+@contextlib.contextmanager
+def device_registration_refused() -> Any:
+    """Within: renaming torch's privateuse1 backend and registering a device module do
+    nothing. torchax's import does both (to "jax"), which torch allows once per process and
+    which break torch.compile afterwards ("PyTorch is not linked with support for jax
+    devices"); lowering uses none of what they enable."""
+    saved = torch.utils.rename_privateuse1_backend, torch._register_device_module
+    torch.utils.rename_privateuse1_backend = lambda *args, **kwargs: None
+    torch._register_device_module = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        torch.utils.rename_privateuse1_backend, torch._register_device_module = saved
+
+
 def is_op_overload(target: Any) -> bool:
     """Whether a graph node's target is one overload of a torch operator."""
     return _OP_OVERLOAD is not ABSENT and isinstance(target, _OP_OVERLOAD)

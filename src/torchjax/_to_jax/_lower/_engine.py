@@ -1,9 +1,10 @@
 # The ATen -> JAX op table lowering="xla" uses: torchax's, imported on first use only.
 #
-# torchax's import changes global state (docs/limitations.md lists it). Each change that can be
-# undone is undone right after the import; the two that cannot (torch's privateuse1 backend is
-# renamed "jax" and a `torch.jax` device module is registered: torch allows each once per
-# process) are named in the docs, and `import torchjax` alone makes neither.
+# torchax's import changes global state. Each change is undone right after the import (the
+# MHA fast path, an environment variable, JAX's PJRT client options, torch's global
+# decomposition tables) or refused while it runs (renaming torch's privateuse1 backend to
+# "jax" and registering a device module for it, which torch allows once per process and which
+# break torch.compile afterwards): the process is left as it was.
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +15,11 @@ from typing import Any
 import jax
 import torch
 
-from torchjax._compat._torch import DECOMPOSITION_TABLES, is_op_overload
+from torchjax._compat._torch import (
+    DECOMPOSITION_TABLES,
+    device_registration_refused,
+    is_op_overload,
+)
 from torchjax._errors import LoweringError
 from torchjax._to_jax._context import LOWERING_LOCK
 
@@ -85,7 +90,8 @@ def _contained(load: Callable[[], OpTable]) -> OpTable:
     tables = DECOMPOSITION_TABLES
     saved = {kind: dict(table) for kind, table in tables.items()}
     try:
-        return load()
+        with device_registration_refused():
+            return load()
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
         if telemetry is None:
