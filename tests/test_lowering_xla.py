@@ -505,3 +505,18 @@ def test_a_moved_module_and_a_pickled_apply():
     again = pickle.loads(pickle.dumps(apply))
     np.testing.assert_allclose(again(v, x), lin(_t(x)).detach().numpy(), rtol=1e-6, atol=1e-6)
     _no_callback(again, v, x)
+
+
+def test_attention_in_projection_stays_one_dot():
+    # Decomposed, MultiheadAttention's in-projection (a linear on a transposed 3-D input)
+    # became expand + bmm over a broadcast weight: 7x slower than torch (docs/benchmarks.md).
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True)
+    layer.eval()
+    x = rng.standard_normal((2, 8, 32)).astype(np.float32)
+    apply, v = torchjax.module_to_jax(layer, lowering="xla")
+    with torch.no_grad():
+        ref = layer(_t(x)).numpy()
+    np.testing.assert_allclose(jax.jit(apply)(v, x), ref, rtol=1e-4, atol=1e-5)
+    ops = {r.op for r in torchjax.lowering_report(apply, v, x).ops}
+    assert "aten.linear.default" in ops and "aten.expand.default" not in ops, ops

@@ -145,8 +145,15 @@ def capture(
 
 
 def _core_decompositions() -> Any:
-    """torch.export's core ATen decompositions."""
-    return torch.export.default_decompositions()
+    """torch.export's core ATen decompositions, less linear's and matmul's, which the op
+    table lowers whole (to one dot). Decomposed, a linear on a non-contiguous 3-D input
+    (MultiheadAttention's in-projection, on its transposed input) becomes expand + bmm:
+    XLA then broadcasts the weight to [L, E, 3E] and runs L small batched dots, which made
+    nn.TransformerEncoderLayer 7x slower than torch eager (docs/benchmarks.md)."""
+    table = torch.export.default_decompositions()
+    for op in (torch.ops.aten.linear.default, torch.ops.aten.matmul.default):
+        table.pop(op, None)
+    return table
 
 
 def _raised_by_user(error: BaseException) -> bool:
