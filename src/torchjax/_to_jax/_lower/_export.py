@@ -137,23 +137,28 @@ def capture(
         raise LoweringError(_not_captured(name, error)) from error
     finally:
         touched.restore()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", _TREESPEC_NOTICE, FutureWarning)
-        program = program.run_decompositions(_core_decompositions())
-        program = program.run_decompositions(table.decompositions)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", _TREESPEC_NOTICE, FutureWarning)
+            program = program.run_decompositions(_decompositions(table))
+    except Exception as error:  # torch's own failure replaying the graph it captured
+        raise LoweringError(_NOT_DECOMPOSED.format(name=name, error=_first_lines(error))) from error
     return program, captured
 
 
-def _core_decompositions() -> Any:
-    """torch.export's core ATen decompositions, less linear's and matmul's, which the op
-    table lowers whole (to one dot). Decomposed, a linear on a non-contiguous 3-D input
-    (MultiheadAttention's in-projection, on its transposed input) becomes expand + bmm:
+def _decompositions(table: OpTable) -> Any:
+    """torch.export's core ATen decompositions and the op table's, in one table (one run:
+    torch rebuilds its tables on each run, half the time of a capture), less linear's and
+    matmul's, which the op table lowers whole (to one dot). Decomposed, a linear on a
+    non-contiguous 3-D input (MultiheadAttention's in-projection, on its transposed input)
+    becomes expand + bmm:
     XLA then broadcasts the weight to [L, E, 3E] and runs L small batched dots, which made
     nn.TransformerEncoderLayer 7x slower than torch eager (docs/benchmarks.md)."""
-    table = torch.export.default_decompositions()
+    decompositions = torch.export.default_decompositions()
+    decompositions.update(table.decompositions)
     for op in (torch.ops.aten.linear.default, torch.ops.aten.matmul.default):
-        table.pop(op, None)
-    return table
+        decompositions.pop(op, None)
+    return decompositions
 
 
 def _raised_by_user(error: BaseException) -> bool:
@@ -168,11 +173,22 @@ def _is_library_frame(filename: str) -> bool:
     return any(part in filename for part in ("/torch/", "/torchjax/", "/jax/", "/sympy/"))
 
 
+_NOT_DECOMPOSED = """\
+lowering="xla": torch.export captured {name}, but torch failed to decompose its graph to core
+ATen ops (replaying the graph it had captured: a torch.export bug, not in your code):
+    {error}
+Use lowering="callback" (the default) for this function."""
+
+
+def _first_lines(error: BaseException, n: int = 8) -> str:
+    lines = str(error).strip().splitlines() or [""]
+    text = "\n    ".join(lines[:n]) + ("\n    ..." if len(lines) > n else "")
+    return f"{type(error).__name__}: {text}"
+
+
 def _not_captured(name: str, error: BaseException) -> str:
     frames = [
         f for f in traceback.extract_tb(error.__traceback__) if not _is_library_frame(f.filename)
     ]
     where = f", at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
-    lines = str(error).strip().splitlines() or [type(error).__name__]
-    text = "\n    ".join(lines[:8]) + ("\n    ..." if len(lines) > 8 else "")
-    return _NOT_CAPTURED.format(name=name, where=where, error=f"{type(error).__name__}: {text}")
+    return _NOT_CAPTURED.format(name=name, where=where, error=_first_lines(error))
