@@ -146,13 +146,17 @@ def callback_call(
 
 
 def _ranged(host: Callable, name: str) -> Callable:
-    """`host` as a named range in the torch or jax profiler that records, if one does."""
+    """`host` as a named range in the torch or jax profiler that records, if one does. This
+    is the outermost callback frame now: it raises the stand-in (_call/_callback_errors.py)."""
 
     def ranged_host(ctx: Any, outs: list, *ins: Any) -> None:
-        if profiling():
-            with profiled(name):
-                return host(ctx, outs, *ins)
-        return host(ctx, outs, *ins)
+        try:
+            if profiling():
+                with profiled(name):
+                    return host(ctx, outs, *ins)
+            return host(ctx, outs, *ins)
+        except Exception as e:
+            raise as_reported(e) from None
 
     return ranged_host
 
@@ -206,10 +210,13 @@ def _is_buffer(value: Any, dst: torch.Tensor) -> bool:
 
 def _pure_callback_call(run, operands, out_structs, out_paths, draws=False, name="torchjax"):
     def host(*arrays: np.ndarray) -> list[np.ndarray]:
-        if profiling():
-            with profiled(name):
-                return on_host(arrays)
-        return on_host(arrays)
+        try:  # (the outermost callback frame raises the stand-in: see _ranged)
+            if profiling():
+                with profiled(name):
+                    return on_host(arrays)
+            return on_host(arrays)
+        except Exception as e:
+            raise as_reported(e) from None
 
     def on_host(arrays: tuple) -> list[np.ndarray]:
         try:
