@@ -520,3 +520,18 @@ def test_attention_in_projection_stays_one_dot():
     np.testing.assert_allclose(jax.jit(apply)(v, x), ref, rtol=1e-4, atol=1e-5)
     ops = {r.op for r in torchjax.lowering_report(apply, v, x).ops}
     assert "aten.linear.default" in ops and "aten.expand.default" not in ops, ops
+
+
+def test_int64_arithmetic_with_x64_off_is_named_and_exact_with_x64_on():
+    def scaled_total(t):  # int32[3] -> int64[]
+        return (t.to(torch.int64) * 4).sum()
+
+    x = np.full(3, 2**30, np.int32)
+    with jax.enable_x64(False):
+        report = torchjax.lowering_report(scaled_total, x)
+    assert {"aten.mul.Tensor", "aten.sum.dim_IntList"} <= set(report.narrowed), str(report)
+    assert "wraps past 2**31" in str(report)
+    with jax.enable_x64(True):
+        got = torchjax.to_jax(scaled_total, lowering="xla")(x)
+        assert not torchjax.lowering_report(scaled_total, x).narrowed
+    assert got.dtype == jnp.int64 and int(got) == scaled_total(_t(x)).item() == 12 * 2**30

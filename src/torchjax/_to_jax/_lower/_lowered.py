@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from torchjax._convert import canonical_jax_dtype, is_array, torch_dtype
 from torchjax._errors import StaticArgumentError
-from torchjax._log import signature, timed
+from torchjax._log import logger, signature, timed
 from torchjax._to_jax._call._guard import inplace_error
 from torchjax._to_jax._context import LOWERING_LOCK
 from torchjax._to_jax._lower._engine import op_table
@@ -91,6 +91,12 @@ class Lowered:
         with timed("torch.export of %s at %s", self.name, signature(avals)):
             exported, captured = capture(self.fn, self.name, in_tree, template, example, table)
         program = Program(self.name, exported, captured, table, self.callback)
+        if program.narrowed:
+            logger.info(
+                "%s: int64 arithmetic computed in int32 (x64 off; it wraps past 2**31): %s",
+                self.name,
+                ", ".join(program.narrowed),
+            )
         for i in program.mutated_inputs:
             if not self.may_write(paths[i]):
                 raise inplace_error(self.name, names[i], _WRITES)

@@ -115,6 +115,14 @@ class Program:
                 continue
             self.n_mutations += 1
         self.routes: dict[str, Route] = {}
+        # With x64 off JAX holds int64 values as int32: arithmetic the graph does in int64
+        # wraps past 2**31 where torch's would not (the callback path raises a
+        # ConversionError for an output out of int32's range instead). Named in the report.
+        self.narrowed = sorted(
+            {op_name(n.target) for n in self.graph.nodes if _narrows(n)}
+            if not jax.config.jax_enable_x64
+            else set()
+        )
         for node in self.graph.nodes:
             if is_higher_order_op(node.target):
                 raise LoweringError(_HIGHER_ORDER.format(name=name, op=op_name(node.target)))
@@ -175,6 +183,22 @@ class Program:
             logger.debug("%s: %s runs as a torch callback: %s", self.name, name, why)
         self.routes[node.name] = Route(node.name, name, False, why)
         return self.callback(target)(*args, **kwargs)
+
+
+# Ops whose int64 result can leave the range of their inputs (so int32 arithmetic can wrap
+# where int64 would not); moving, selecting and comparing values cannot.
+_ARITHMETIC = frozenset(
+    "add sub rsub mul div floor_divide remainder fmod pow neg abs square sum prod cumsum "
+    "cumprod mm bmm addmm dot mv matmul linear bitwise_left_shift __lshift__ mean".split()
+)
+
+
+def _narrows(node: torch.fx.Node) -> bool:
+    """Whether `node` is int64 arithmetic (JAX computes it in int32 with x64 off)."""
+    meta = node.meta.get("val") if node.op == "call_function" else None
+    if not isinstance(meta, torch.Tensor) or meta.dtype != torch.int64:
+        return False
+    return is_op_overload(node.target) and str(node.target).split(".")[1] in _ARITHMETIC
 
 
 def _as_declared(value: Any, meta: Any) -> Any:

@@ -34,12 +34,15 @@ class LoweringReport:
       exportable: whether ``jax.export`` serialized the lowered function at the example
         signature (False wherever an op runs as a callback).
       export_error: why not, where it is not.
+      narrowed: the ops that compute int64 values in int32 because JAX's x64 mode is off:
+        they wrap past 2**31 where torch would not (docs/lowering.md).
     """
 
     function: str
     ops: tuple[OpRoute, ...]
     exportable: bool
     export_error: str | None = None
+    narrowed: tuple[str, ...] = ()
 
     @property
     def callbacks(self) -> tuple[OpRoute, ...]:
@@ -64,6 +67,12 @@ class LoweringReport:
             lines.append(f"  lowered   {r.op} x{r.count}")
         if self.export_error:
             lines.append(f"  jax.export: {self.export_error}")
+        if self.narrowed:
+            lines.append(
+                f"  int64 arithmetic computed in int32 (x64 off; it wraps past 2**31): "
+                f"{', '.join(self.narrowed)}. jax.config.update('jax_enable_x64', True) "
+                f"computes it in int64."
+            )
         return "\n".join(lines)
 
 
@@ -96,8 +105,10 @@ def report(
     structs = [leaves[i] for i in slots]
     jax.eval_shape(on_arrays, *structs)
     counts: collections.Counter = collections.Counter()
+    narrowed: set[str] = set()
     for each in lowered_of():
         for program, _, _ in each.programs.values():
+            narrowed.update(program.narrowed)
             for route in program.routes.values():
                 counts[(route.op, route.lowered, route.why)] += 1
     ops = tuple(
@@ -111,4 +122,4 @@ def report(
         exportable, error = True, None
     except Exception as e:  # what jax.export says, first line: a host callback, say
         exportable, error = False, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
-    return LoweringReport(name, ops, exportable, error)
+    return LoweringReport(name, ops, exportable, error, tuple(sorted(narrowed)))
