@@ -96,6 +96,7 @@ class PytreePrimitive:
     Every rule receives the positional args exactly as they were passed to ``bind``.
 
     Rules (register each with the decorator of the same name):
+
       * ``def_abstract_eval(rule)``: ``rule(*args, **params)`` returns a pytree of
         ``jax.ShapeDtypeStruct``; array leaves arrive as ``jax.core.ShapedArray``
         (they have ``.shape`` and ``.dtype``). Called once per distinct signature
