@@ -21,6 +21,18 @@
 # 64-bit dtype is expected back as JAX's 32-bit counterpart. Select one with
 # `with profile("float32"):` or `run(..., profile="float32")`. Not a test module (no `test_`
 # prefix): tests/test_conformance.py and tools/conformance.py import it.
+#
+# `run(..., lowering="xla")` wraps the op with `to_jax(..., lowering="xla")` instead: the op
+# is torch.export'ed and each ATen node becomes JAX ops, so the numbers are JAX's, compared
+# within XLA_TOLERANCES (per dtype) rather than the callback path's few ulps. Its result also
+# says which ATen ops were lowered and which ran as callbacks (and why), and one more class:
+#
+#   uncapturable  torch.export cannot capture the op (LoweringError: data-dependent control
+#                 flow or output shapes), so lowering="xla" does not apply
+#
+# A mismatch names its culprits (the lowered ATen ops that, run as callbacks instead, make
+# the sample pass); where the graph holds ops listed in CALLBACK_OPS, `unneeded` names those
+# that agree with torch when lowered after all (stale entries).
 from __future__ import annotations
 
 import contextlib
@@ -48,10 +60,15 @@ from torch.testing._internal.opinfo.core import DecorateInfo, OpInfo
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchjax
-from torchjax.errors import ShapeInferenceError
+from torchjax.errors import LoweringError, ShapeInferenceError
 
 TRANSFORMS = ("eager", "jit", "vmap", "vjp", "jvp", "hessian", "jacrev_jacrev", "vmap_grad")
 PASS, MISMATCH, ERROR, SKIP = "pass", "mismatch", "error", "skip"
+UNCAPTURABLE = "uncapturable"  # lowering="xla" only: torch.export cannot capture the op
+LOWERINGS = ("callback", "xla")
+# The transforms lowering="xla" runs under: each of JAX's own rules once (the lowered ops
+# are JAX's, so the compositions test JAX, not torchjax), and its fallback nodes' rules.
+XLA_TRANSFORMS = ("eager", "jit", "vmap", "vjp", "jvp")
 
 # In order of preference: the first one the op supports on CPU is the samples' dtype.
 SAMPLE_DTYPES = (torch.float64, torch.float32, torch.int64, torch.bool, torch.complex128)
@@ -66,6 +83,20 @@ ATOL = 1e-6
 # derivative transforms, vmap's batching) can round differently: a few float32 ulps.
 RTOL_FLOAT32 = ATOL_FLOAT32 = 1e-5
 _LOW_PRECISION = (torch.float32, torch.complex64)
+# lowering="xla": (rtol, atol) by the samples' dtype, every profile. The lowered ops are
+# JAX's implementations (XLA's transcendental approximations, other summation orders, JAX's
+# own derivative rules), not torch's kernels: some ulps of the results' scale, more than the
+# callback path's glue. Integer and bool samples take float32's (their floating results are
+# torch's default dtype); integer and bool outputs compare exactly. An OpInfo's own
+# toleranceOverride for the dtype loosens these further, as on the callback path.
+XLA_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-7),
+    torch.complex128: (1e-7, 1e-7),
+    torch.float32: (1e-4, 1e-4),
+    torch.complex64: (1e-4, 1e-4),
+    torch.int64: (1e-4, 1e-4),
+    torch.bool: (1e-4, 1e-4),
+}
 MAX_SAMPLES = 6  # applicable non-empty samples kept per op
 EMPTY_SAMPLES = 2  # and samples with an empty tensor
 SCANNED_SAMPLES = 64  # samples looked at per op
@@ -98,6 +129,15 @@ class Result:
     max_abs_err: float | None = None
     seconds: float = 0.0
     profile: str = ""
+    lowering: str = "callback"
+    # lowering="xla" only, over the samples run: the ATen ops lowered to JAX ops, those run
+    # as callbacks ("op: why"), the mismatch's culprits, and the CALLBACK_OPS entries in the
+    # graph that agree with torch when lowered (`unneeded`) or do not (`needed`).
+    lowered: tuple[str, ...] = ()
+    callbacks: tuple[str, ...] = ()
+    culprits: tuple[str, ...] = ()
+    unneeded: tuple[str, ...] = ()
+    needed: dict[str, float | None] = dataclasses.field(default_factory=dict)  # op: max error
 
 
 def op_name(op: OpInfo) -> str:
@@ -207,12 +247,17 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {head}"[:300]
 
 
-def _tolerances(op: OpInfo, dtype: torch.dtype, prof: Profile) -> tuple[float, float]:
-    """(rtol, atol): the profile's defaults (float32's for float32 and complex64 samples),
-    loosened by any toleranceOverride of the OpInfo for the samples' dtype."""
+def _tolerances(
+    op: OpInfo, dtype: torch.dtype, prof: Profile, lowering: str = "callback"
+) -> tuple[float, float]:
+    """(rtol, atol): the profile's defaults (float32's for float32 and complex64 samples;
+    XLA_TOLERANCES' for lowering="xla"), loosened by any toleranceOverride of the OpInfo for
+    the samples' dtype."""
     rtol, atol = prof.rtol, prof.atol
     if dtype in _LOW_PRECISION:
         rtol, atol = max(rtol, RTOL_FLOAT32), max(atol, ATOL_FLOAT32)
+    if lowering == "xla":
+        rtol, atol = XLA_TOLERANCES.get(dtype, XLA_TOLERANCES[torch.float32])
     for info in op.decorators:
         decorators = info.decorators if isinstance(info, DecorateInfo) else [info]
         if isinstance(info, DecorateInfo) and info.device_type not in (None, "cpu"):
@@ -736,6 +781,134 @@ def _run_case(case: _Case, transform: str, time_limit: float | None) -> Result:
     return _compare(actual, expected, rtol, atol)
 
 
+# ------------------------------------------------------------------ lowering="xla"
+
+MAX_CULPRIT_TRIALS = 8  # lowered ATen ops tried one at a time as callbacks, per mismatch
+
+
+def listed_callback_ops() -> frozenset[str]:
+    """CALLBACK_OPS as the source lists it: the ATen ops lowering="xla" runs as callbacks
+    because their lowering disagrees with torch."""
+    from torchjax._to_jax._lower._callback_ops import CALLBACK_OPS
+
+    return CALLBACK_OPS
+
+
+@contextlib.contextmanager
+def _callback_ops(ops: frozenset[str]) -> Iterator[None]:
+    """`ops` in place of CALLBACK_OPS while a program is lowered (the lowering reads that
+    global of its module at each node it lowers, the first time each signature runs)."""
+    from torchjax._to_jax._lower import _program
+
+    saved = _program.CALLBACK_OPS
+    _program.CALLBACK_OPS = ops
+    try:
+        yield
+    finally:
+        _program.CALLBACK_OPS = saved
+
+
+def _routes(fj: Callable) -> tuple[set[str], set[str]]:
+    """(ATen ops lowered, "op: why" of those run as callbacks) in every program fj lowered:
+    the routes lowering_report reads, without a second torch.export."""
+    lowered, callbacks = set(), set()
+    for program, _, _ in fj.lowered.programs.values():
+        for route in program.routes.values():
+            if route.lowered:
+                lowered.add(route.op)
+            else:
+                callbacks.add(f"{route.op}: {route.why}")
+    return lowered, callbacks
+
+
+def _run_case_xla(case: _Case, transform: str, time_limit: float | None) -> Result:
+    rtol, atol = _tolerances(case.op, case.dtype, case.profile, "xla")
+    listed = listed_callback_ops()
+    # One to_jax (one torch.export per signature) per sample and callback list, shared by
+    # the transforms: they all call it at the sample's own shapes.
+    fns = case.__dict__.setdefault("xla_fns", {})
+
+    def fn(ops: frozenset[str]) -> Callable:
+        if ops not in fns:
+            fns[ops] = torchjax.to_jax(lambda *tensors: case.call(tensors), lowering="xla")
+        return fns[ops]
+
+    try:
+        with _time_limit(time_limit):
+            oracle, _ = _run_pair(case, transform, lambda: fn(listed))
+            expected = oracle()
+    except _NotApplicable as e:
+        return Result("", "", SKIP, str(e), lowering="xla")
+    except (Exception, _Timeout) as e:
+        return Result("", "", SKIP, f"oracle: {_first_line(e)}", lowering="xla")
+
+    def check(ops: frozenset[str]) -> Result:
+        """The candidate with `ops` run as callbacks, compared with torch's."""
+        fj = fn(ops)
+        _, candidate = _run_pair(case, transform, lambda: fj)
+        with _callback_ops(ops):
+            return _compare(candidate(), expected, rtol, atol)
+
+    try:
+        with _time_limit(time_limit):
+            result = check(listed)
+    except (LoweringError, ShapeInferenceError) as e:
+        # Not capturable as one graph of ATen ops: its control flow or an output's shape
+        # depends on the values. lowering="xla" does not apply; the callback path does.
+        return Result("", "", UNCAPTURABLE, _first_line(e), lowering="xla")
+    except _NotApplicable as e:
+        # Raised by the op's own call under torch.export: an output that is a number on
+        # real tensors is a symbolic one there (`item`'s SymFloat), a value of the data.
+        message = f"under torch.export: {e}"
+        return Result("", "", UNCAPTURABLE, message, lowering="xla")
+    except (Exception, _Timeout) as e:
+        if "do not fit" in str(e) and _out_of_32_bits(expected):
+            message = "output values that no 32-bit type holds (x64 off)"
+            return Result("", "", SKIP, message, lowering="xla")
+        result = Result("", "", ERROR, _first_line(e))
+    lowered, callbacks = _routes(fn(listed))
+    in_graph = sorted(op for op in listed if any(c.startswith(op + ":") for c in callbacks))
+    culprits: list[str] = []
+    unneeded: list[str] = []
+    needed: dict[str, float | None] = {}
+    try:
+        with _time_limit(time_limit):
+            if result.status == MISMATCH:  # which lowering is wrong: each op in turn a callback
+                for op in sorted(lowered)[:MAX_CULPRIT_TRIALS]:
+                    if _passes(check, listed | {op}):
+                        culprits.append(op)
+            elif result.status == PASS:  # is each listed op still needed here?
+                for op in in_graph:
+                    lowered_too = _checked(check, listed - {op})
+                    if lowered_too.status == PASS:
+                        unneeded.append(op)
+                    else:
+                        needed[op] = lowered_too.max_abs_err
+    except _Timeout as e:
+        # the worker restarts on _Timeout in the message (the state it interrupted)
+        result = dataclasses.replace(result, message=f"{result.message}; {_first_line(e)}")
+    return dataclasses.replace(
+        result,
+        lowering="xla",
+        lowered=tuple(sorted(lowered)),
+        callbacks=tuple(sorted(callbacks)),
+        culprits=tuple(culprits),
+        unneeded=tuple(unneeded),
+        needed=needed,
+    )
+
+
+def _checked(check: Callable[[frozenset[str]], Result], ops: frozenset[str]) -> Result:
+    try:
+        return check(ops)
+    except Exception as e:
+        return Result("", "", ERROR, _first_line(e))
+
+
+def _passes(check: Callable[[frozenset[str]], Result], ops: frozenset[str]) -> bool:
+    return _checked(check, ops).status == PASS
+
+
 def _out_of_32_bits(expected: Sequence[Any]) -> bool:
     """Whether torch's outputs hold 64-bit integers outside their 32-bit type's range."""
     for x in expected:
@@ -754,30 +927,38 @@ def run(
     n_samples: int = 1,
     time_limit: float | None = None,
     profile: str | None = None,
+    lowering: str = "callback",
 ) -> Result:
     """Classify one (op, transform) pair over the op's first `n_samples` samples.
 
     Args:
       name: the op's name with variant, as `op_name` gives it (`"linalg.det"`,
         `"div.trunc_rounding"`).
-      transform: one of TRANSFORMS.
+      transform: one of TRANSFORMS (of XLA_TRANSFORMS for lowering="xla").
       n_samples: how many samples must run (not skip) before the pair counts as passed.
         Samples are tried in the order `_find_cases` gives, so one that cannot apply
         (say, too large for a hessian) gives way to the next; the worst outcome counts
-        (error, then mismatch, then pass, then skip).
+        (error, then mismatch, then uncapturable, then pass, then skip).
       time_limit: seconds for each of the oracle and torchjax, per sample (None: no limit).
       profile: a name in PROFILES; None: the current one (`with profile(...)`, else
         float64). The run sets the profile's x64 mode in JAX itself.
+      lowering: "callback" (to_jax's default) or "xla" (`to_jax(..., lowering="xla")`,
+        compared within XLA_TOLERANCES, its routes recorded).
 
     Returns:
-      A Result, its `profile` field the profile's name.
+      A Result, its `profile` field the profile's name and `lowering` the lowering's.
 
     Example:
       >>> run("sin", "hessian", profile="float32").status
       'pass'
+      >>> run("sin", "vjp", lowering="xla").lowered  # JAX differentiates JAX's sin
+      ('aten.sin.default',)
     """
-    if transform not in TRANSFORMS:
-        raise ValueError(f"unknown transform {transform!r}; expected one of {TRANSFORMS}")
+    allowed = XLA_TRANSFORMS if lowering == "xla" else TRANSFORMS
+    if lowering not in LOWERINGS:
+        raise ValueError(f"unknown lowering {lowering!r}; expected one of {LOWERINGS}")
+    if transform not in allowed:
+        raise ValueError(f"unknown transform {transform!r}; expected one of {allowed}")
     prof = current_profile() if profile is None else _get_profile(profile)
     start = time.perf_counter()
     results = []
@@ -787,19 +968,38 @@ def run(
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.")
         cases, why = _cases(name, prof)
         for case in cases:
-            results.append(_run_case(case, transform, time_limit))
-            if results[-1].status in (ERROR, MISMATCH):
+            if lowering == "xla":
+                results.append(_run_case_xla(case, transform, time_limit))
+            else:
+                results.append(_run_case(case, transform, time_limit))
+            # (uncapturable: the op's graph depends on values, whatever the sample)
+            if results[-1].status in (ERROR, MISMATCH, UNCAPTURABLE):
                 break
             if sum(r.status == PASS for r in results) == n_samples:
                 break
     result = Result("", "", SKIP, why)
-    for status in (ERROR, MISMATCH, PASS, SKIP):
+    for status in (ERROR, MISMATCH, UNCAPTURABLE, PASS, SKIP):
         found = [r for r in results if r.status == status]
         if found:
             errs = [r.max_abs_err for r in found if r.max_abs_err is not None]
             result = dataclasses.replace(found[0], max_abs_err=max(errs) if errs else None)
             break
+    needed: dict[str, float | None] = {}
+    for r in results:
+        for op, err in r.needed.items():
+            errs = [e for e in (needed.get(op), err) if e is not None]
+            needed[op] = max(errs) if errs else None
     seconds = time.perf_counter() - start
     return dataclasses.replace(
-        result, op=name, transform=transform, seconds=seconds, profile=prof.name
+        result,
+        op=name,
+        transform=transform,
+        seconds=seconds,
+        profile=prof.name,
+        lowering=lowering,
+        lowered=tuple(sorted({op for r in results for op in r.lowered})),
+        callbacks=tuple(sorted({c for r in results for c in r.callbacks})),
+        culprits=tuple(sorted({op for r in results for op in r.culprits})),
+        unneeded=tuple(sorted({op for r in results for op in r.unneeded} - needed.keys())),
+        needed=needed,
     )

@@ -249,9 +249,17 @@ def test_sweep_script(tmp_path, monkeypatch):
         assert "| eager | 1 | 0 | 0 | 1 |" in section and "| vjp | 1 | 0 | 0 | 1 |" in section
         assert f"Mismatches, {p} (0)" in section and f"Errors, {p} (0)" in section, text
     results = [json.loads(line) for line in log.read_text().splitlines()]
-    assert sorted((r["profile"], r["op"]) for r in results) == sorted(
-        (p, op) for p in ("float64", "float32") for op in ("exp", "bernoulli") for _ in "ab"
-    )
+    for lowering in ("callback", "xla"):  # both by default; xla runs eager and vjp of these
+        assert sorted((r["profile"], r["op"]) for r in results if r["lowering"] == lowering) == (
+            sorted(
+                (p, op) for p in ("float64", "float32") for op in ("exp", "bernoulli") for _ in "ab"
+            )
+        )
+    xla = text.split('## lowering="xla"')[1]
+    assert "| float64 | 2 | 0 | 0 | 0 | 2 |" in xla and "| float64 | 1 | 0 | 0 | 1 |" in xla, xla
+    assert {
+        tuple(r["lowered"]) for r in results if r["lowering"] == "xla" and r["op"] == "exp"
+    } == {("aten.exp.default",)}
 
 
 def test_ci_partition_covers_every_pair():
@@ -261,11 +269,119 @@ def test_ci_partition_covers_every_pair():
         ["sum", "abs", "sin"], list(harness.TRANSFORMS), ["float64", "float32"], ci=True
     )
     assert len(plan) == len(set(plan)) == 3 * len(harness.TRANSFORMS) + 3
-    assert {(op, t) for _, op, t in plan} == {
+    assert {lowering for lowering, *_ in plan} == {"callback"}
+    assert {(op, t) for _, _, op, t in plan} == {
         (op, t) for op in ("sum", "abs", "sin") for t in harness.TRANSFORMS
     }
-    assert {op for p, op, t in plan if p == "float64" and t == "eager"} == {"abs", "sum"}
-    assert {op for p, op, t in plan if p == "float32" and t == "eager"} == {"sin"}
-    assert {(p, op) for p, op, t in plan if t == "vmap_grad"} == {
+    assert {op for _, p, op, t in plan if p == "float64" and t == "eager"} == {"abs", "sum"}
+    assert {op for _, p, op, t in plan if p == "float32" and t == "eager"} == {"sin"}
+    assert {(p, op) for _, p, op, t in plan if t == "vmap_grad"} == {
         (p, op) for p in ("float64", "float32") for op in ("sum", "abs", "sin")
     }
+
+
+def test_ci_partition_lowering_xla():
+    # lowering="xla" in --ci: every op under every XLA transform, in the profile its
+    # callback pairs do not run in (each op meets both dtype regimes, one per lowering).
+    ops, profiles = ["sum", "abs", "sin"], ["float64", "float32"]
+    plan = _conformance_script()._plan(
+        ops, list(harness.TRANSFORMS), profiles, ci=True, lowerings=("callback", "xla")
+    )
+    xla = [(p, op, t) for lowering, p, op, t in plan if lowering == "xla"]
+    assert len(xla) == len(set(xla)) == 3 * len(harness.XLA_TRANSFORMS)
+    assert {t for _, _, t in xla} == set(harness.XLA_TRANSFORMS)
+    home = {op: p for _, p, op, t in plan if t == "eager" and _ == "callback"}
+    assert all(p != home[op] for p, op, _ in xla)
+    full = _conformance_script()._plan(ops, ["eager", "hessian"], profiles, False, ("xla",))
+    assert sorted(full) == sorted(("xla", p, op, "eager") for p in profiles for op in ops)
+
+
+# ---------------------------------------------------------------- lowering="xla"
+xla_needed = pytest.mark.skipif(
+    importlib.util.find_spec("torchax") is None, reason='lowering="xla" needs torchax'
+)
+
+
+@xla_needed
+@pytest.mark.parametrize("transform", harness.XLA_TRANSFORMS)
+def test_xla_lowers_and_conforms(transform):
+    r = harness.run("atan2", transform, lowering="xla")
+    assert (r.status, r.lowering, r.profile) == (harness.PASS, "xla", "float64"), r
+    assert r.lowered == ("aten.atan2.default",) and not r.callbacks, r
+
+
+@xla_needed
+def test_xla_uncapturable_is_its_own_class():
+    # nonzero's output shape depends on the values: lowering="xla" does not apply.
+    r = harness.run("nonzero", "eager", lowering="xla")
+    assert r.status == harness.UNCAPTURABLE and "nonzero" in r.message, r
+    with pytest.raises(ValueError, match="unknown transform 'hessian'"):
+        harness.run("sin", "hessian", lowering="xla")
+
+
+@pytest.fixture
+def fresh_sin():
+    # The harness keeps each sample's lowered functions (one torch.export each): lowered
+    # under another op table or list, they must not serve these tests.
+    harness.forget("sin")
+    yield
+    harness.forget("sin")
+
+
+def _wrong_sin_lowering(monkeypatch):
+    # aten.sin lowered 0.1% off: what a wrong entry of the op table looks like.
+    from torchjax._to_jax._lower import _engine
+
+    real = _engine.OpTable.lowering
+
+    def lowering(self, target):
+        op = real(self, target)
+        if str(target) != "aten.sin.default":
+            return op
+        return dataclasses.replace(op, func=lambda x: jnp.sin(x) * 1.001)
+
+    monkeypatch.setattr(_engine.OpTable, "lowering", lowering)
+
+
+def _list_callback_ops(monkeypatch, ops):
+    from torchjax._to_jax._lower import _callback_ops, _program
+
+    monkeypatch.setattr(_callback_ops, "CALLBACK_OPS", frozenset(ops))
+    monkeypatch.setattr(_program, "CALLBACK_OPS", frozenset(ops))
+
+
+@xla_needed
+def test_xla_mismatch_names_its_culprit(monkeypatch, fresh_sin):
+    _wrong_sin_lowering(monkeypatch)
+    r = harness.run("sin", "vjp", lowering="xla")
+    assert r.status == harness.MISMATCH and r.max_abs_err > 1e-4, r
+    assert r.culprits == ("aten.sin.default",), r
+
+
+@xla_needed
+def test_xla_listed_op_runs_as_callback_and_is_checked(monkeypatch, fresh_sin):
+    # Listed, the wrong lowering is not used (pass), and the sweep sees that it is needed.
+    _wrong_sin_lowering(monkeypatch)
+    _list_callback_ops(monkeypatch, {"aten.sin.default"})
+    r = harness.run("sin", "eager", lowering="xla")
+    assert r.status == harness.PASS and r.lowered == (), r
+    assert r.callbacks == ("aten.sin.default: " + _program_listed(),), r
+    assert list(r.needed) == ["aten.sin.default"] and r.needed["aten.sin.default"] > 1e-4
+    assert r.unneeded == ()
+
+
+@xla_needed
+def test_xla_stale_entry_is_reported(monkeypatch, fresh_sin):
+    # Listed, but its lowering is right: stale, and the full sweep fails on it.
+    _list_callback_ops(monkeypatch, {"aten.sin.default"})
+    r = harness.run("sin", "jvp", lowering="xla")
+    assert r.status == harness.PASS and r.unneeded == ("aten.sin.default",) and not r.needed
+    conformance = _conformance_script()
+    assert conformance._stale([r]) == ["aten.sin.default"]
+    assert conformance._stale([dataclasses.replace(r, callbacks=())]) == []  # in no graph
+
+
+def _program_listed():
+    from torchjax._to_jax._lower._program import LISTED
+
+    return LISTED
