@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import re
 import subprocess
 import sys
 
@@ -56,7 +57,11 @@ def test_environment_switch_turns_it_on():
         env={**__import__("os").environ, "TORCHJAX_LOG": "debug"},
     )
     assert done.returncode == 0, done.stderr
-    assert "torchjax DEBUG: fake run of <lambda> at ((float32[2],), {})" in done.stderr
+    # (INFO in place of DEBUG where the fake run took over 2 s: a loaded machine)
+    assert re.search(
+        r"torchjax (DEBUG|INFO): fake run of <lambda> at \(\(float32\[2\],\), \{\}\) took",
+        done.stderr,
+    ), done.stderr
 
 
 def _ranges(events) -> list[str]:

@@ -1,10 +1,11 @@
 # Declared ranges are tested ranges: pyproject.toml's bounds on Python, jax and torch are the
-# configurations tools/matrix.py runs (the lower bounds exactly, the upper ones as the newest
+# configurations noxfile.py runs (the lower bounds exactly, the upper ones as the newest
 # release below them), the pinned development versions lie inside them, and docs/install.md
 # shows the same table. A bound moved without the matrix (or the other way round) fails here.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -21,10 +22,17 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
 def _matrix():
-    spec = importlib.util.spec_from_file_location("torchjax_matrix", ROOT / "tools" / "matrix.py")
+    """noxfile.py as a module (nox.options set, its sessions registered, os.environ as it was)."""
+    spec = importlib.util.spec_from_file_location("torchjax_noxfile", ROOT / "noxfile.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while defining
-    spec.loader.exec_module(module)
+    environ, path = dict(os.environ), list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:  # it records its run's id and start in the environment, and puts tools/ on the path
+        os.environ.clear()
+        os.environ.update(environ)
+        sys.path[:] = path
     return module
 
 
@@ -112,4 +120,20 @@ def test_install_doc_shows_the_matrix_and_the_readme_links_it():
 def test_ci_runs_the_matrix_after_the_pinned_tests():
     ci = (ROOT / ".ci" / "run").read_text()
     assert ci.index("make test") < ci.index("make test-matrix")
-    assert "test-matrix:" in (ROOT / "Makefile").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile[makefile.index("\ntest-matrix:") :].split("\n\n")[0]
+    assert "$(BIN)/nox" in recipe, recipe
+
+
+def test_the_matrix_never_downloads_a_python_and_fails_without_one():
+    import nox
+
+    assert nox.options.download_python == "never"
+    assert nox.options.error_on_missing_interpreters
+    sessions = nox.registry.get()
+    for config in MATRIX.CONFIGS:
+        assert config.name in sessions, config.name
+        if not config.venv:  # its own venv, kept between runs
+            assert sessions[config.name].reuse_venv is True, config.name
+    # The summary comes last, so its table reports every configuration's result.
+    assert list(sessions)[-1] == "summary"
