@@ -535,3 +535,18 @@ def test_int64_arithmetic_with_x64_off_is_named_and_exact_with_x64_on():
         got = torchjax.to_jax(scaled_total, lowering="xla")(x)
         assert not torchjax.lowering_report(scaled_total, x).narrowed
     assert got.dtype == jnp.int64 and int(got) == scaled_total(_t(x)).item() == 12 * 2**30
+
+
+def test_outputs_torch_does_not_differentiate_get_no_gradient():
+    # native_layer_norm's mean and rstd are outputs torch's autograd does not differentiate;
+    # JAX would differentiate the ops that compute them.
+    def with_statistics(x, w, b):  # [2, 3], [3], [3] -> []
+        out, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [3], w, b, 1e-5)
+        return out.pow(2).sum() + mean.sum() * 3 + rstd.sum() * 2
+
+    x = rng.standard_normal((2, 3)).astype(np.float32)
+    w, b = np.full(3, 1.5, np.float32), np.zeros(3, np.float32)
+    got = jax.grad(torchjax.to_jax(with_statistics, lowering="xla"), argnums=(0, 1))(x, w, b)
+    ref = torch.func.grad(with_statistics, argnums=(0, 1))(_t(x), _t(w), _t(b))
+    for g, r in zip(got, ref, strict=True):
+        np.testing.assert_allclose(g, r.numpy(), rtol=1e-5, atol=1e-5)

@@ -178,7 +178,7 @@ class Program:
                 why = f"its lowering raised {type(error).__name__}: {str(error)[:160]}"
             else:
                 self.routes[node.name] = Route(node.name, name, True)
-                return out
+                return _as_torch_differentiates(node, out)
         if node.name not in self.routes:
             logger.debug("%s: %s runs as a torch callback: %s", self.name, name, why)
         self.routes[node.name] = Route(node.name, name, False, why)
@@ -199,6 +199,45 @@ def _narrows(node: torch.fx.Node) -> bool:
     if not isinstance(meta, torch.Tensor) or meta.dtype != torch.int64:
         return False
     return is_op_overload(node.target) and str(node.target).split(".")[1] in _ARITHMETIC
+
+
+def _as_torch_differentiates(node: torch.fx.Node, out: Any) -> Any:
+    """A lowered multi-output op's results, with a stop_gradient on each output torch's
+    autograd does not differentiate (native_layer_norm's mean and rstd, batch norm's saved
+    statistics): JAX would differentiate the JAX ops that compute them, torch gives zero."""
+    if not isinstance(out, tuple | list):
+        return out
+    mask = _differentiable_outputs(node)
+    if mask is None or all(mask) or len(mask) != len(out):
+        return out
+    kept = [o if d else jax.lax.stop_gradient(o) for o, d in zip(out, mask, strict=True)]
+    return type(out)(kept)
+
+
+def _differentiable_outputs(node: torch.fx.Node) -> list[bool] | None:
+    """Which outputs of `node` torch differentiates, from one run of the op on meta tensors
+    shaped like its inputs, every floating one requiring grad; None where that cannot run
+    (symbolic sizes, an op without a meta kernel): then every output is differentiated."""
+    found = node.meta.get("torchjax_differentiable", False)
+    if found is not False:
+        return found
+
+    def meta(n: Any) -> Any:
+        val = n.meta.get("val") if isinstance(n, torch.fx.Node) else n
+        if isinstance(val, torch.Tensor):
+            t = torch.empty(tuple(val.shape), dtype=val.dtype, device="meta")
+            return t.requires_grad_(val.dtype.is_floating_point or val.dtype.is_complex)
+        return val
+
+    try:
+        args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), meta)
+        with torch.enable_grad():
+            outs = node.target(*args, **kwargs)
+        found = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
+    except Exception:
+        found = None
+    node.meta["torchjax_differentiable"] = found
+    return found
 
 
 def _as_declared(value: Any, meta: Any) -> Any:
