@@ -80,7 +80,9 @@ class Timing:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    # (< and >: a message's `<locals>` would read as an HTML tag in the rendered page)
+    cell = text.replace("|", "\\|").replace("\n", " ")
+    return cell.replace("<", "&lt;").replace(">", "&gt;")
 
 
 def _plan(
