@@ -79,6 +79,15 @@ class Timing:
         return self
 
 
+def _profile_counts(results: list, profiles: list, statuses: tuple) -> list[str]:
+    """A table of how many results of each profile have each status."""
+    lines = ["| profile | " + " | ".join(statuses) + " |", "|---|" + "---|" * len(statuses)]
+    for p in profiles:
+        counts = collections.Counter(r.status for r in results if r.profile == p)
+        lines.append(f"| {p} | " + " | ".join(str(counts[s]) for s in statuses) + " |")
+    return lines
+
+
 def _cell(text: str) -> str:
     # (< and >: a message's `<locals>` would read as an HTML tag in the rendered page)
     cell = text.replace("|", "\\|").replace("\n", " ")
@@ -180,12 +189,8 @@ def _report(
         "complex outputs for derivatives, integer-only ops for derivatives, inputs too large",
         "for second-order transforms).",
         "",
-        "| profile | " + " | ".join(STATUSES) + " |",
-        "|---|" + "---|" * len(STATUSES),
     ]
-    for p in profiles:
-        counts = collections.Counter(r.status for r in results if r.profile == p)
-        lines.append(f"| {p} | " + " | ".join(str(counts[s]) for s in STATUSES) + " |")
+    lines += _profile_counts(results, profiles, STATUSES)
 
     for p in profiles:
         mine = [r for r in results if r.profile == p]
@@ -299,12 +304,8 @@ def _xla_report(xla: list[harness.Result], args: argparse.Namespace) -> list[str
         "a mismatch's culprits (the lowered ATen ops that, run as callbacks, make it pass) go",
         "into `CALLBACK_OPS`.",
         "",
-        "| profile | " + " | ".join(XLA_STATUSES) + " |",
-        "|---|" + "---|" * len(XLA_STATUSES),
     ]
-    for p in profiles:
-        counts = collections.Counter(r.status for r in xla if r.profile == p)
-        lines.append(f"| {p} | " + " | ".join(str(counts[s]) for s in XLA_STATUSES) + " |")
+    lines += _profile_counts(xla, profiles, XLA_STATUSES)
     lines += [
         "",
         "Per op and profile, over its transforms: **fully lowered** (every ATen node became",
