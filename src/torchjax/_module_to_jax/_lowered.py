@@ -6,22 +6,15 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
-import jax
 import torch
 
 from torchjax._module_to_jax._copies import ModuleState
 from torchjax._to_jax._lower._lowered import Lowered
 from torchjax._to_jax._options import Options
 from torchjax._to_jax._to_jax import op_callback
-
-
-def _describe(path: tuple) -> str:
-    """A path into forward's ((params, buffers, args, kwargs), {}) as apply's call reads."""
-    group = path[1].idx
-    names = {0: "variables['params']", 1: "variables['buffers']", 2: "args", 3: "kwargs"}
-    return names[group] + jax.tree_util.keystr(tuple(path[2:]))
 
 
 def _shell(module: torch.nn.Module) -> torch.nn.Module:
@@ -41,8 +34,8 @@ def _shell(module: torch.nn.Module) -> torch.nn.Module:
 class ModuleLowering:
     """One Lowered per mode of the submodules (torch.export traces the mode it finds)."""
 
-    def __init__(self, state: ModuleState, options: Options):
-        self.state, self.options = state, options
+    def __init__(self, state: ModuleState, options: Options, describe: Callable[[tuple], str]):
+        self.state, self.options, self.describe = state, options, describe
         self.name = type(state.module).__name__
         self.module = _shell(state.module)  # the copy torch.export traces
         self.by_mode: dict[tuple, Lowered] = {}
@@ -63,7 +56,7 @@ class ModuleLowering:
                 forward,
                 forward.__name__,
                 lambda op: op_callback(op, self.options),
-                _describe,
+                self.describe,  # apply's paths: variables['params'][...], args[i]
                 may_write=lambda path: path[1].idx == 1,  # buffers: returned or dropped
             )
         return lowered

@@ -224,7 +224,9 @@ class _Apply:
     def lowered_call(self, params, buffers, args, kwargs, mutable: bool, rng: Any) -> Any:
         """apply's call with lowering="xla" (ModuleLowering)."""
         if self.lowered is None:
-            self.lowered = ModuleLowering(self.state, Options.checked(**self.options))
+            self.lowered = ModuleLowering(
+                self.state, Options.checked(**self.options), _describe_path
+            )
         return self.lowered(params, buffers, args, kwargs, mutable, rng)
 
     def _declared(self, mutable: bool) -> Callable:
