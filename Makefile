@@ -71,10 +71,8 @@ conformance: $(STAMP)
 # CI's share of it (CONTRIBUTING.md): every op under every transform in one of the two
 # profiles, and vmap_grad in both; under lowering="xla", every op in the other profile;
 # fails on any mismatch or error (a lowered op that disagrees and is not in CALLBACK_OPS).
-# CI's share runs the callback path only: the full xla sweep still finds mismatches without a
-# culprit op to list (docs/conformance.md, "Open"), which would keep CI red.
 conformance-ci: $(STAMP)
-	$(BIN)/python tools/conformance.py --ci --lowering callback
+	$(BIN)/python tools/conformance.py --ci
 
 clean:
 	rm -rf $(VENV) .venv-gpu site dist build

@@ -385,3 +385,28 @@ def _program_listed():
     from torchjax._to_jax._lower._program import LISTED
 
     return LISTED
+
+
+@pytest.mark.parametrize("name, transform", sorted(harness.WRONG_REFERENCES))
+def test_the_wrong_torch_references_are_still_wrong(name, transform):
+    # The sweep skips these pairs as torch's own answer is wrong: torch.func.jvp against
+    # central differences (float64) and against torch's reverse mode, on the op's samples.
+    assert transform == "jvp"
+    (op,) = [o for o in harness.op_db if harness.op_name(o) == name]
+    wrong = 0
+    for sample in op.sample_inputs("cpu", torch.float64):
+
+        def f(x, sample=sample):
+            return op.op(x, *sample.args, **sample.kwargs)
+
+        x = sample.input.detach()
+        t = torch.randn(x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(0))
+        _, tangent = torch.func.jvp(f, (x,), (t,))
+        eps = 1e-6
+        central = (f(x + eps * t) - f(x - eps * t)) / (2 * eps)
+        xr = x.clone().requires_grad_()
+        out = f(xr)
+        (g,) = torch.autograd.grad(out, xr, torch.ones_like(out))
+        assert torch.allclose((g * t).sum(), central.sum(), atol=1e-6)  # reverse mode is right
+        wrong += not torch.allclose(tangent, central, atol=1e-4)
+    assert wrong, f"torch's {transform} of {name} is right now: drop it from WRONG_REFERENCES"

@@ -550,3 +550,169 @@ def test_outputs_torch_does_not_differentiate_get_no_gradient():
     ref = torch.func.grad(with_statistics, argnums=(0, 1))(_t(x), _t(w), _t(b))
     for g, r in zip(got, ref, strict=True):
         np.testing.assert_allclose(g, r.numpy(), rtol=1e-5, atol=1e-5)
+
+
+# -- what torch does not differentiate ---------------------------------------------------
+def _torch_grad(fn, *arrays) -> list[np.ndarray]:
+    tensors = [_t(a).requires_grad_() for a in arrays]
+    return [g.numpy() for g in torch.autograd.grad(fn(*tensors), tensors)]
+
+
+def _no_grad_block(x):  # [3] -> []
+    with torch.no_grad():
+        y = x * 2
+    return (x * y).sum()
+
+
+def _batch_norm_statistics(x, w, b):  # [4, 3, 2], [3], [3] -> []
+    out, mean, rstd = torch.ops.aten._native_batch_norm_legit(x, w, b, True, 0.1, 1e-5)
+    return out.pow(2).sum() + mean.sum() * 3 + rstd.sum() * 2
+
+
+@pytest.mark.parametrize(
+    "fn, shapes",
+    [
+        (lambda x: (x * x.detach()).sum(), [(3,)]),
+        (_no_grad_block, [(3,)]),
+        # decomposed before lowering: the saved statistics are JAX ops of the input
+        (_batch_norm_statistics, [(4, 3, 2), (3,), (3,)]),
+    ],
+    ids=["detach", "no_grad", "batch_norm_saved_statistics"],
+)
+def test_what_torch_does_not_differentiate_gets_no_gradient(fn, shapes):
+    arrays = [rng.standard_normal(s).astype(np.float32) + 1.5 for s in shapes]
+    argnums = tuple(range(len(arrays)))
+    got = jax.grad(torchjax.to_jax(fn, lowering="xla"), argnums=argnums)(*arrays)
+    for g, r in zip(got, _torch_grad(fn, *arrays), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+    jit_got = jax.jit(jax.grad(torchjax.to_jax(fn, lowering="xla")))(*arrays)
+    np.testing.assert_allclose(jit_got, _torch_grad(fn, *arrays)[0], rtol=1e-5, atol=1e-5)
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _rounded(x):  # [3] -> []
+    return (_StraightThrough.apply(x) * x).sum()
+
+
+def test_an_autograd_function_lowers_its_values_and_refuses_its_derivatives():
+    x = np.array([0.3, 1.7, 2.2], np.float32)
+    f = torchjax.to_jax(_rounded, lowering="xla")
+    ref = _rounded(_t(x)).item()
+    np.testing.assert_allclose(f(x), ref, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(f)(x), ref, rtol=1e-6)
+    np.testing.assert_allclose(jax.vmap(f)(x[None]), [ref], rtol=1e-6)
+    for transform in (jax.grad, jax.jacfwd):
+        with pytest.raises(LoweringError, match=r"(?s)_StraightThrough.*lowering=\"callback\""):
+            transform(f)(x)
+    report = torchjax.lowering_report(_rounded, x)
+    assert report.autograd_functions == ("_StraightThrough",), report
+    assert "_StraightThrough" in str(report)
+    # lowering="callback" runs its backward: torch's gradient
+    got = jax.grad(torchjax.to_jax(_rounded))(x)
+    np.testing.assert_allclose(got, _torch_grad(_rounded, x)[0], rtol=1e-6)
+
+
+def test_an_autograd_function_is_found_under_cprofile():
+    # 3.11 finds it through a profile function: cProfile's own must keep recording after.
+    import cProfile
+    import pstats
+
+    x = np.array([0.3, 1.7], np.float32)
+    f = torchjax.to_jax(_rounded, lowering="xla")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        f(x)
+
+        def after_the_capture():
+            return 1
+
+        after_the_capture()
+    finally:
+        profiler.disable()
+    with pytest.raises(LoweringError, match="_StraightThrough"):
+        jax.grad(f)(x)
+    names = {key[2] for key in pstats.Stats(profiler).stats}
+    assert "after_the_capture" in names
+    assert sys.getprofile() is None
+
+
+# -- outputs and ops lowering="xla" treats its own way -----------------------------------
+def test_a_structseq_output_and_a_lowering_returning_other_outputs():
+    # torch.linalg.solve_ex returns a structseq; the op table's lowering of _linalg_solve_ex
+    # returns 2 of its 4 outputs, so it runs as a callback.
+    a = rng.standard_normal((3, 3)) + 3 * np.eye(3)
+    b = rng.standard_normal((3, 2))
+    f = lambda a, b: torch.linalg.solve_ex(a, b)  # noqa: E731
+    got = jax.jit(torchjax.to_jax(f, lowering="xla"))(a.astype(np.float32), b.astype(np.float32))
+    ref = f(_t(a).float(), _t(b).float())
+    assert got._fields == ("result", "info")
+    np.testing.assert_allclose(got.result, ref.result.numpy(), rtol=1e-5, atol=1e-5)
+    assert int(got.info) == int(ref.info) == 0
+    why = {r.op: r.why for r in torchjax.lowering_report(f, a, b).callbacks}
+    assert "returns 2 outputs, torch's op 4" in why["aten._linalg_solve_ex.default"], why
+
+
+def test_a_sparse_tensor_in_the_graph_is_refused_with_the_fix():
+    f = torchjax.to_jax(lambda x: x.to_sparse().to_dense() * 2, lowering="xla")
+    with pytest.raises(LoweringError, match='(?s)sparse_coo.*lowering="callback"'):
+        f(np.eye(3, dtype=np.float32))
+
+
+def test_embedding_bag_grad_equals_torch():
+    # A capture's example tensors do not require grad, so torch picks
+    # _embedding_bag_forward_only, which has no derivative.
+    weight = rng.standard_normal((10, 3)).astype(np.float32)
+    index = np.array([1, 2, 4, 5, 4, 3, 2, 9], np.int32)
+    offsets = np.array([0, 4], np.int32)
+
+    def bags(w, i, o):  # [10, 3], [8], [2] -> []
+        return torch.nn.functional.embedding_bag(i, w, o, mode="mean").pow(2).sum()
+
+    got = jax.grad(torchjax.to_jax(bags, lowering="xla"))(weight, index, offsets)
+    w = _t(weight).requires_grad_()
+    (ref,) = torch.autograd.grad(bags(w, _t(index).long(), _t(offsets).long()), w)
+    np.testing.assert_allclose(got, ref.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_safe_softmax_of_a_masked_row_has_torchs_zero_gradient():
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    x[1] = -np.inf
+    f = lambda x: torch.ops.aten._safe_softmax(x, -1).pow(2).sum()  # noqa: E731
+    got = jax.grad(torchjax.to_jax(f, lowering="xla"))(x)
+    np.testing.assert_allclose(got, _torch_grad(f, x)[0], rtol=1e-5, atol=1e-6)
+    assert not np.isnan(got).any()
+    report = torchjax.lowering_report(f, x)
+    assert report.fully_lowered, report
+
+
+def test_checkpointing_lowers_without_reentrant_and_refuses_derivatives_with_it():
+    import torch.utils.checkpoint as checkpoint
+
+    layer = torch.nn.Linear(4, 4)
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+
+    def energy(x, reentrant):  # [3, 4] -> []
+        return (
+            checkpoint.checkpoint(lambda y: torch.tanh(layer(y)), x, use_reentrant=reentrant)
+            .pow(2)
+            .sum()
+        )
+
+    xt = _t(x).requires_grad_()
+    energy(xt, False).backward()
+    got = jax.grad(torchjax.to_jax(energy, lowering="xla"))(x, False)
+    np.testing.assert_allclose(got, xt.grad.numpy(), rtol=1e-5, atol=1e-6)
+    f = torchjax.to_jax(energy, lowering="xla")
+    np.testing.assert_allclose(f(x, True), energy(_t(x), True).item(), rtol=1e-6)
+    with pytest.raises(LoweringError, match="(?s)CheckpointFunction.*use_reentrant=False"):
+        jax.grad(f)(x, True)

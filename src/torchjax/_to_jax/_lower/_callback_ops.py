@@ -11,30 +11,19 @@ CALLBACK_OPS: frozenset[str] = frozenset(
         # for a non-triangular input, and a wrong jvp (float64 cholesky_inverse: 25/25).
         "aten.cholesky_inverse.default",
         # Special functions whose JAX implementation differs from torch's beyond tolerance
-        # (values near poles and large orders, or derivatives), or whose lowering is a
-        # while_loop JAX cannot differentiate in reverse mode.
+        # (values near poles, or derivatives). (Torch's Bessel functions and orthogonal
+        # polynomials have no derivative: their outputs get a stop_gradient, as torch gives.)
         "aten.polygamma.default",
         "aten.digamma.default",
-        "aten.special_bessel_j0.default",
-        "aten.special_bessel_j1.default",
-        "aten.special_modified_bessel_i0.default",
-        "aten.special_modified_bessel_i1.default",
-        "aten.special_chebyshev_polynomial_t.default",
-        "aten.special_chebyshev_polynomial_u.default",
-        "aten.special_hermite_polynomial_h.default",
-        "aten.special_hermite_polynomial_he.default",
-        "aten.special_laguerre_polynomial_l.default",
         "aten.nextafter.default",  # JAX has no derivative rule for nextafter
         # Linear algebra: derivatives that differ from torch's (eigh's, pinv's at
         # rank-deficient or Hermitian inputs, cholesky_ex's and ldl_factor_ex's info
-        # outputs), a householder_product without derivative rules, a solve_ex whose lowering
-        # returns fewer outputs than torch's.
+        # outputs), a householder_product without derivative rules.
         "aten._linalg_eigh.default",
         "aten.linalg_pinv.atol_rtol_tensor",
         "aten.linalg_cholesky_ex.default",
         "aten.linalg_ldl_factor_ex.default",
         "aten.linalg_householder_product.default",
-        "aten.linalg_solve_ex.default",
         "aten.linalg_vector_norm.default",  # its derivative at zero differs from torch's
         # Reductions and scatters: values or gradients that differ from torch's.
         "aten.max_pool2d_with_indices_backward.default",

@@ -15,9 +15,13 @@ import torch
 
 from torchjax._convert import torch_dtype
 from torchjax._errors import LoweringError, TorchJaxError
+from torchjax._to_jax._call._outputs import as_jax_tree
 from torchjax._to_jax._context import FAKE_RUN_LOCK
 from torchjax._to_jax._fake._isolation import FakeRunState
+from torchjax._to_jax._fake._run import output_struct
 from torchjax._to_jax._lower._engine import OpTable
+from torchjax._to_jax._lower._gradients import AutogradFunctions, mark_stop_gradients
+from torchjax._to_jax._lower._own_ops import KEPT_WHOLE
 
 _tree = jax.tree_util
 
@@ -49,22 +53,32 @@ class Captured:
     out_tree: Any = None
     constants: dict = dataclasses.field(default_factory=dict)  # leaf index -> value
     n_tensors: int = 0
+    # the torch.autograd.Function classes the run applied: torch.export keeps their
+    # forward's ops and drops their backward
+    autograd_functions: list = dataclasses.field(default_factory=list)
 
 
 class _Flat(torch.nn.Module):
     """The function as torch.export wants it: a module whose forward takes a list of tensors
     (the signature's arrays, in flattening order) and returns a tuple of tensors."""
 
-    def __init__(self, fn: Callable, in_tree: Any, template: tuple, captured: Captured):
+    def __init__(self, fn: Callable, name: str, in_tree: Any, template: tuple, captured: Captured):
         super().__init__()
-        self.fn, self.in_tree, self.template, self.captured = fn, in_tree, template, captured
+        self.fn, self.name, self.in_tree = fn, name, in_tree
+        self.template, self.captured = template, captured
 
     def forward(self, tensors: list) -> tuple:
         it = iter(tensors)
         leaves = [next(it) if is_slot else leaf for is_slot, leaf in self.template]
         args, kwargs = _tree.tree_unflatten(self.in_tree, leaves)
-        out = self.fn(*args, **kwargs)
-        out_leaves, self.captured.out_tree = _tree.tree_flatten(out)
+        # (torch.return_types' structseqs and dict-like outputs as the callback path returns
+        # them: containers JAX knows)
+        out = as_jax_tree(self.fn(*args, **kwargs))
+        with_paths, self.captured.out_tree = _tree.tree_flatten_with_path(out)
+        out_leaves = [leaf for _, leaf in with_paths]
+        for path, leaf in with_paths:
+            if not isinstance(leaf, torch.Tensor):
+                output_struct(path, leaf, self.name)  # a number, else a clear error
         self.captured.constants = {
             i: v for i, v in enumerate(out_leaves) if not isinstance(v, torch.Tensor)
         }
@@ -119,7 +133,7 @@ def capture(
     """
     tensors, dynamic = example
     captured = Captured()
-    flat = _Flat(fn, in_tree, template, captured)
+    flat = _Flat(fn, name, in_tree, template, captured)
     # torch.export runs the function's Python on fake tensors: what it leaves in the state
     # the function reaches (a cache filled on first use) is put back, as after a fake run.
     touched = FakeRunState(fn, name)
@@ -128,7 +142,9 @@ def capture(
         with FAKE_RUN_LOCK, torch.enable_grad(), warnings.catch_warnings():
             # torch.export's own pytree deprecation notice, about its internals, not user code.
             warnings.filterwarnings("ignore", _TREESPEC_NOTICE, FutureWarning)
-            program = torch.export.export(flat, (tensors,), dynamic_shapes=dynamic, strict=False)
+            with AutogradFunctions() as functions:
+                program = _export(flat, tensors, dynamic)
+        captured.autograd_functions = [f.__qualname__ for f in functions.found]
     except TorchJaxError:
         raise
     except Exception as error:
@@ -138,12 +154,37 @@ def capture(
     finally:
         touched.restore()
     try:
+        mark_stop_gradients(program.graph_module)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", _TREESPEC_NOTICE, FutureWarning)
             program = program.run_decompositions(_decompositions(table))
     except Exception as error:  # torch's own failure replaying the graph it captured
         raise LoweringError(_NOT_DECOMPOSED.format(name=name, error=_first_lines(error))) from error
     return program, captured
+
+
+_GRAD_REFUSALS = (
+    "is not differentiable with respect to argument",
+    "a leaf Variable that requires grad is being used in an in-place operation",
+)
+
+
+def _export(flat: _Flat, tensors: list, dynamic: dict | None) -> torch.export.ExportedProgram:
+    """torch.export of `flat` with its floating inputs requiring grad, as JAX may
+    differentiate any of them: torch code that branches on requires_grad (embedding_bag,
+    linear_cross_entropy's chunked op, which computes its gradients in the forward only
+    then) is captured on the branch that differentiates. Where torch refuses grad for an
+    input (batch norm's running statistics) or an in-place write into it (a module's
+    buffers; an input, which Lowered then refuses by name), without."""
+    differentiable = [
+        t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in tensors
+    ]
+    try:
+        return torch.export.export(flat, (differentiable,), dynamic_shapes=dynamic, strict=False)
+    except RuntimeError as error:
+        if not any(refusal in str(error) for refusal in _GRAD_REFUSALS):
+            raise
+    return torch.export.export(flat, (tensors,), dynamic_shapes=dynamic, strict=False)
 
 
 def _decompositions(table: OpTable) -> Any:
@@ -158,7 +199,20 @@ def _decompositions(table: OpTable) -> Any:
     decompositions.update(table.decompositions)
     for op in (torch.ops.aten.linear.default, torch.ops.aten.matmul.default):
         decompositions.pop(op, None)
+    # (aten.detach marks what torch does not differentiate: lowered to stop_gradient)
+    decompositions.pop(torch.ops.aten.detach.default, None)
+    for op in list(decompositions.keys()):
+        if str(op) in KEPT_WHOLE:
+            decompositions.pop(op)
+    decompositions[torch.ops.aten._embedding_bag_forward_only.default] = _embedding_bag
     return decompositions
+
+
+def _embedding_bag(*args: Any, **kwargs: Any) -> Any:
+    """embedding_bag as torch runs it when its weight requires grad. The example tensors
+    of a capture do not, so torch picks _embedding_bag_forward_only, which has no
+    derivative; JAX may differentiate the lowered program, and the two agree on values."""
+    return torch.ops.aten._embedding_bag.default(*args, **kwargs)
 
 
 def _raised_by_user(error: BaseException) -> bool:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from torchjax._convert import canonical_jax_dtype, is_array, torch_dtype
-from torchjax._errors import StaticArgumentError
+from torchjax._errors import LoweringError, StaticArgumentError
 from torchjax._log import logger, signature, timed
 from torchjax._to_jax._call._guard import inplace_error
 from torchjax._to_jax._context import LOWERING_LOCK
@@ -100,7 +100,10 @@ class Lowered:
         for i in program.mutated_inputs:
             if not self.may_write(paths[i]):
                 raise inplace_error(self.name, names[i], _WRITES)
-        return program, jax.jit(program.run), paths
+        run = program.run
+        if captured.autograd_functions:
+            run = _without_derivatives(run, self.name, captured.autograd_functions)
+        return program, jax.jit(run), paths
 
     def __call__(self, tree_args: Any, key: Any = None) -> tuple[Any, dict]:
         """(the output pytree, {key path of a written input: its new value})."""
@@ -117,6 +120,33 @@ class Lowered:
             for i in range(captured.out_tree.num_leaves)
         ]
         return _tree.tree_unflatten(captured.out_tree, leaves)
+
+
+_CUSTOM_BACKWARD = """\
+lowering="xla": {name} applies torch.autograd.Function {functions}. torch.export records
+the ops of its forward and drops its own backward, so JAX's derivative of the lowered ops
+would not be torch's: lowering="xla" computes its values and refuses its derivatives. Use
+lowering="callback" (the default) to differentiate it: torch then runs its backward."""
+
+
+def _without_derivatives(run: Callable, name: str, functions: list[str]) -> Callable:
+    """`run`, whose JAX derivatives (jvp, and so grad, vjp, hessian) raise a LoweringError."""
+    message = _CUSTOM_BACKWARD.format(name=name, functions=", ".join(functions))
+    if "CheckpointFunction" in functions:
+        message += (
+            "\nCheckpointFunction is torch.utils.checkpoint's with use_reentrant=True: "
+            "use_reentrant=False lowers, derivatives included."
+        )
+
+    @jax.custom_jvp
+    def refusing(constants: list, arrays: list, key: Any) -> Any:
+        return run(constants, arrays, key)
+
+    @refusing.defjvp
+    def _jvp(primals: tuple, tangents: tuple) -> Any:
+        raise LoweringError(message)
+
+    return refusing
 
 
 def call_path(path: tuple) -> str:

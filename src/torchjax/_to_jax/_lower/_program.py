@@ -21,10 +21,17 @@ from torchjax._log import logger
 from torchjax._to_jax._lower._callback_ops import CALLBACK_OPS
 from torchjax._to_jax._lower._engine import OpTable
 from torchjax._to_jax._lower._export import Captured
+from torchjax._to_jax._lower._gradients import differentiable_outputs
+from torchjax._to_jax._lower._own_ops import OWN_LOWERINGS
 
 _HIGHER_ORDER = """\
 lowering="xla": {name} uses {op}, a torch higher-order op (control flow or a wrapped
 subgraph), which has no lowering yet. Use lowering="callback" (the default) for it."""
+
+_NOT_STRIDED = """\
+lowering="xla": {name} makes a {layout} tensor ({op}). JAX arrays are dense, so neither a
+lowering nor a per-op callback can carry it between ops. Use lowering="callback" (the
+default), which runs the whole function in torch."""
 
 NO_LOWERING = "the op table has no lowering for it"
 TORCH_CODE = "the op table's entry for it runs torch code, not JAX ops"
@@ -129,6 +136,11 @@ class Program:
             if node.op == "get_attr":
                 op = f"a submodule ({node.target})"
                 raise LoweringError(_HIGHER_ORDER.format(name=name, op=op))
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.layout != torch.strided:
+                raise LoweringError(
+                    _NOT_STRIDED.format(name=name, op=op_name(node.target), layout=val.layout)
+                )
 
     @property
     def mutated_inputs(self) -> list[int]:
@@ -161,6 +173,13 @@ class Program:
         if not is_op_overload(target):
             return target(*args, **kwargs)  # operator.getitem, arithmetic on sizes
         name = op_name(target)
+        if target is torch.ops.aten.detach.default:
+            self.routes[node.name] = Route(node.name, name, True)
+            return jax.lax.stop_gradient(args[0])
+        own = OWN_LOWERINGS.get(name)
+        if own is not None and name not in CALLBACK_OPS:
+            self.routes[node.name] = Route(node.name, name, True)
+            return own(*args, **kwargs)
         op = self.table.lowering(target)
         if name in CALLBACK_OPS:
             why = LISTED
@@ -177,8 +196,10 @@ class Program:
             except Exception as error:  # a lowering that cannot take these arguments
                 why = f"its lowering raised {type(error).__name__}: {str(error)[:160]}"
             else:
-                self.routes[node.name] = Route(node.name, name, True)
-                return _as_torch_differentiates(node, out)
+                why = _unlike_torch(node, out)
+                if not why:
+                    self.routes[node.name] = Route(node.name, name, True)
+                    return _as_torch_differentiates(node, out)
         if node.name not in self.routes:
             logger.debug("%s: %s runs as a torch callback: %s", self.name, name, why)
         self.routes[node.name] = Route(node.name, name, False, why)
@@ -201,43 +222,37 @@ def _narrows(node: torch.fx.Node) -> bool:
     return is_op_overload(node.target) and str(node.target).split(".")[1] in _ARITHMETIC
 
 
+def _unlike_torch(node: torch.fx.Node, out: Any) -> str:
+    """Why a lowering's result cannot stand for the node's (its outputs' count or static
+    shapes differ from those torch recorded), or "" where it can."""
+    meta = node.meta.get("val")
+    if isinstance(meta, tuple | list):
+        if not isinstance(out, tuple | list) or len(out) != len(meta):
+            n = len(out) if isinstance(out, tuple | list) else 1
+            return f"its lowering returns {n} outputs, torch's op {len(meta)}"
+        pairs = list(zip(out, meta, strict=True))
+    else:
+        pairs = [(out, meta)]
+    for value, val in pairs:
+        if not isinstance(val, torch.Tensor) or not hasattr(value, "shape"):
+            continue
+        shape = tuple(val.shape)
+        if all(isinstance(d, int) for d in shape) and tuple(value.shape) != shape:
+            return f"its lowering's output has shape {tuple(value.shape)}, torch's {shape}"
+    return ""
+
+
 def _as_torch_differentiates(node: torch.fx.Node, out: Any) -> Any:
     """A lowered multi-output op's results, with a stop_gradient on each output torch's
     autograd does not differentiate (native_layer_norm's mean and rstd, batch norm's saved
     statistics): JAX would differentiate the JAX ops that compute them, torch gives zero."""
     if not isinstance(out, tuple | list):
         return out
-    mask = _differentiable_outputs(node)
+    mask = differentiable_outputs(node)
     if mask is None or all(mask) or len(mask) != len(out):
         return out
     kept = [o if d else jax.lax.stop_gradient(o) for o, d in zip(out, mask, strict=True)]
     return type(out)(kept)
-
-
-def _differentiable_outputs(node: torch.fx.Node) -> list[bool] | None:
-    """Which outputs of `node` torch differentiates, from one run of the op on meta tensors
-    shaped like its inputs, every floating one requiring grad; None where that cannot run
-    (symbolic sizes, an op without a meta kernel): then every output is differentiated."""
-    found = node.meta.get("torchjax_differentiable", False)
-    if found is not False:
-        return found
-
-    def meta(n: Any) -> Any:
-        val = n.meta.get("val") if isinstance(n, torch.fx.Node) else n
-        if isinstance(val, torch.Tensor):
-            t = torch.empty(tuple(val.shape), dtype=val.dtype, device="meta")
-            return t.requires_grad_(val.dtype.is_floating_point or val.dtype.is_complex)
-        return val
-
-    try:
-        args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), meta)
-        with torch.enable_grad():
-            outs = node.target(*args, **kwargs)
-        found = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
-    except Exception:
-        found = None
-    node.meta["torchjax_differentiable"] = found
-    return found
 
 
 def _as_declared(value: Any, meta: Any) -> Any:

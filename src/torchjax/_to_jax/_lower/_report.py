@@ -36,6 +36,9 @@ class LoweringReport:
       export_error: why not, where it is not.
       narrowed: the ops that compute int64 values in int32 because JAX's x64 mode is off:
         they wrap past 2**31 where torch would not (docs/lowering.md).
+      autograd_functions: the torch.autograd.Function classes the function applies: their
+        backward is not lowered, so derivatives of the lowered function raise a
+        LoweringError (docs/lowering.md).
     """
 
     function: str
@@ -43,6 +46,7 @@ class LoweringReport:
     exportable: bool
     export_error: str | None = None
     narrowed: tuple[str, ...] = ()
+    autograd_functions: tuple[str, ...] = ()
 
     @property
     def callbacks(self) -> tuple[OpRoute, ...]:
@@ -72,6 +76,11 @@ class LoweringReport:
                 f"  int64 arithmetic computed in int32 (x64 off; it wraps past 2**31): "
                 f"{', '.join(self.narrowed)}. jax.config.update('jax_enable_x64', True) "
                 f"computes it in int64."
+            )
+        if self.autograd_functions:
+            lines.append(
+                f"  torch.autograd.Function {', '.join(self.autograd_functions)}: its backward "
+                f"is not lowered, so derivatives raise; lowering='callback' runs it."
             )
         return "\n".join(lines)
 
@@ -106,9 +115,11 @@ def report(
     jax.eval_shape(on_arrays, *structs)
     counts: collections.Counter = collections.Counter()
     narrowed: set[str] = set()
+    functions: set[str] = set()
     for each in lowered_of():
         for program, _, _ in each.programs.values():
             narrowed.update(program.narrowed)
+            functions.update(program.captured.autograd_functions)
             for route in program.routes.values():
                 counts[(route.op, route.lowered, route.why)] += 1
     ops = tuple(
@@ -122,4 +133,6 @@ def report(
         exportable, error = True, None
     except Exception as e:  # what jax.export says, first line: a host callback, say
         exportable, error = False, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
-    return LoweringReport(name, ops, exportable, error, tuple(sorted(narrowed)))
+    return LoweringReport(
+        name, ops, exportable, error, tuple(sorted(narrowed)), tuple(sorted(functions))
+    )
