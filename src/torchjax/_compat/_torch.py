@@ -404,6 +404,12 @@ def is_op_overload(target: Any) -> bool:
     return _OP_OVERLOAD is not ABSENT and isinstance(target, _OP_OVERLOAD)
 
 
+def is_custom_op_autograd(cls: type) -> bool:
+    """Whether an autograd.Function class is torch.library's wrapper of a custom op (its
+    forward runs the op itself: the op's one graph node)."""
+    return (getattr(cls, "__module__", "") or "").startswith("torch._library.")
+
+
 def is_higher_order_op(target: Any) -> bool:
     """Whether a graph node's target is a higher-order op (torch.cond, a wrapped subgraph)."""
     return _HIGHER_ORDER is not ABSENT and isinstance(target, _HIGHER_ORDER)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torchjax._compat._torch import is_op_overload, torch_pytree
+from torchjax._compat._torch import is_custom_op_autograd, is_op_overload, torch_pytree
 
 _DETACH = torch.ops.aten.detach.default
 # (the higher-order op torch.export makes of a torch.no_grad() block; absent in old torch)
@@ -100,9 +100,7 @@ def _forward_codes() -> dict[types.CodeType, type]:
             continue
         seen.add(cls)
         stack.extend(cls.__subclasses__())
-        if (getattr(cls, "__module__", "") or "").startswith("torch._library."):
-            # torch.library's autograd for a custom op: its forward runs the op, one node of
-            # the graph (a callback, with the op's own backward)
+        if is_custom_op_autograd(cls):  # the op is one node (a callback, with its backward)
             continue
         forward = cls.__dict__.get("forward")
         forward = getattr(forward, "__func__", forward)  # a staticmethod's function
