@@ -716,3 +716,11 @@ def test_checkpointing_lowers_without_reentrant_and_refuses_derivatives_with_it(
     np.testing.assert_allclose(f(x, True), energy(_t(x), True).item(), rtol=1e-6)
     with pytest.raises(LoweringError, match="(?s)CheckpointFunction.*use_reentrant=False"):
         jax.grad(f)(x, True)
+
+
+def test_an_op_torch_cannot_differentiate_still_lowers():
+    # The capture runs with inputs requiring grad, and without where torch refuses that:
+    # silu has no complex derivative in torch.
+    x = (rng.standard_normal(4) + 1j * rng.standard_normal(4)).astype(np.complex64)
+    got = torchjax.to_jax(torch.nn.functional.silu, lowering="xla")(x)
+    np.testing.assert_allclose(got, torch.nn.functional.silu(_t(x)).numpy(), rtol=1e-5)

@@ -163,9 +163,12 @@ def capture(
     return program, captured
 
 
+# torch's refusals of an input requiring grad: then the capture runs without.
 _GRAD_REFUSALS = (
     "is not differentiable with respect to argument",
     "a leaf Variable that requires grad is being used in an in-place operation",
+    "does not support automatic differentiation",  # silu of a complex input, say
+    "is not implemented",  # "the derivative for 'X' is not implemented"
 )
 
 
@@ -174,14 +177,15 @@ def _export(flat: _Flat, tensors: list, dynamic: dict | None) -> torch.export.Ex
     differentiate any of them: torch code that branches on requires_grad (embedding_bag,
     linear_cross_entropy's chunked op, which computes its gradients in the forward only
     then) is captured on the branch that differentiates. Where torch refuses grad for an
-    input (batch norm's running statistics) or an in-place write into it (a module's
-    buffers; an input, which Lowered then refuses by name), without."""
+    input (batch norm's running statistics, an op without a derivative) or an in-place
+    write into it (a module's buffers; an input, which Lowered then refuses by name),
+    without."""
     differentiable = [
         t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in tensors
     ]
     try:
         return torch.export.export(flat, (differentiable,), dynamic_shapes=dynamic, strict=False)
-    except RuntimeError as error:
+    except (RuntimeError, NotImplementedError) as error:
         if not any(refusal in str(error) for refusal in _GRAD_REFUSALS):
             raise
     return torch.export.export(flat, (tensors,), dynamic_shapes=dynamic, strict=False)
