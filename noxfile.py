@@ -96,8 +96,8 @@ NEWEST = ("jax>=0.12,<0.13", "jaxlib>=0.12,<0.13", "torch>=2.15,<2.16")
 
 # jax 0.12's upgrade flags that are still off by default (flags declared with upgrade=True
 # in jax/_src/config.py). remat3 bypasses the partial-eval rule tables torchjax registers.
-# jax_scan3 is left off: in jax 0.12.0.1 its scan has no vmap or reverse-mode rule yet, so
-# jax.vmap and jax.grad of a pure-JAX lax.scan raise NotImplementedError with it on.
+# jax_scan3 is left off: in jax 0.12.0.1 and 0.12.1 its scan has no vmap or reverse-mode
+# rule, so jax.vmap and jax.grad of a pure-JAX lax.scan raise NotImplementedError with it on.
 UPGRADE_FLAGS = (
     ("JAX_REMAT3", "1"),
     ("JAX_CUSTOM_VJP3", "1"),

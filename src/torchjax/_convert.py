@@ -22,6 +22,7 @@ from torchjax._compat._jax import (
     ARRAY_TYPES,
     HOST_ARRAY_TYPES,
     ArrayImpl,
+    SingleDeviceSharding,
     dlpack_export,
     single_device_shard,
     uncommitted,
@@ -291,7 +292,7 @@ def _numpy_to_tensor(a: np.ndarray) -> torch.Tensor:
 
 
 _ArrayImpl = ArrayImpl
-_SingleDeviceSharding = jax.sharding.SingleDeviceSharding
+_SingleDeviceSharding = SingleDeviceSharding
 # jaxlib's DLPack export of a single-device array; jax.Array.__dlpack__ adds ~10 µs of checks.
 _EXPORT, _shard = dlpack_export, single_device_shard  # (the shard: see single_device_shard)
 

@@ -440,11 +440,18 @@ def traceback_boundary(fn: Any) -> Any:
 # JAX and jaxlib: the x64 flag, DLPack, arrays' devices (_convert.py, _torch_call/_primitive.py)
 # ---------------------------------------------------------------------------------------
 
-# Whether an array was placed on its device explicitly, and a single-device sharding's
-# device: read without building the sharding's device set.
+# Whether an array was placed on its device explicitly.
 private("jax._src.lib._jax.ArrayImpl._committed")
 array_committed = operator.attrgetter("_committed")
-private("jax.sharding.SingleDeviceSharding._device")
+
+# The sharding of an array on one device: its class, for `type(a.sharding) is ...` on every
+# conversion (jax 0.12.1 deprecates the public name jax.sharding.SingleDeviceSharding in
+# favour of jax.sharding.is_single_device_sharding, a call), and its device, read without
+# building the sharding's device set.
+SingleDeviceSharding = private(
+    "jax._src.sharding_impls.SingleDeviceSharding", "jax.sharding.SingleDeviceSharding"
+)
+private("jax._src.sharding_impls.SingleDeviceSharding._device")
 sharding_device = operator.attrgetter("_device")
 
 

@@ -85,6 +85,6 @@ def check_required(versions: str) -> None:
     if missing:
         raise ImportError(
             f"torchjax cannot run with {versions}: it needs {', '.join(missing)}, which they "
-            f"lack. Install versions from the table in docs/install.md (pip install torchjax "
-            f"picks them)."
+            f"lack or deprecate. Install versions from the table in docs/install.md (pip "
+            f"install torchjax picks them)."
         )

@@ -22,10 +22,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import torch
 
 from torchjax._compat._jax import (
+    SingleDeviceSharding,
     array_committed,
     dlpack_export,
     dlpack_import,
@@ -64,7 +64,7 @@ from torchjax._to_jax._context import fake_runs
 # a plan is made and a call is lowered, never per call.
 ENABLED = True
 
-_SingleDevice = jax.sharding.SingleDeviceSharding
+_SingleDevice = SingleDeviceSharding
 _from_capsule, _export, _shard = tensor_from_capsule, dlpack_export, single_device_shard
 _inference_mode = torch.is_inference_mode_enabled
 _getrefcount, _getweakrefcount = sys.getrefcount, weakref.getweakrefcount

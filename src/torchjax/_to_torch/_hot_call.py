@@ -9,10 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import torch
 
-from torchjax._compat._jax import dlpack_export, dlpack_import, jax_config
+from torchjax._compat._jax import (
+    SingleDeviceSharding,
+    dlpack_export,
+    dlpack_import,
+    jax_config,
+)
 from torchjax._compat._torch import (
     cpu_array_from_tensor,
     forward_ad_level,
@@ -26,7 +30,7 @@ from torchjax._convert import ArrayImpl, array_to_tensor, jax_cpu_device, keeps_
 from torchjax._to_torch._spec import Spec
 
 _x64 = jax_config.enable_x64
-_SingleDevice = jax.sharding.SingleDeviceSharding
+_SingleDevice = SingleDeviceSharding
 _grad_enabled = torch.is_grad_enabled
 _Tensor, _Parameter, _strided = torch.Tensor, torch.nn.Parameter, torch.strided
 

@@ -16,6 +16,7 @@ import jax
 import torch
 
 from torchjax._compat._jax import (
+    SingleDeviceSharding,
     array_committed,
     dlpack_export,
     sharding_device,
@@ -56,7 +57,7 @@ from torchjax._to_jax._torch_call._abstract_eval import (
 )
 from torchjax._to_jax._torch_call._primitive import torch_call_p
 
-_SingleDevice = jax.sharding.SingleDeviceSharding
+_SingleDevice = SingleDeviceSharding
 _tree = jax.tree_util
 _from_capsule, _export, _shard = tensor_from_capsule, dlpack_export, single_device_shard
 _inference_mode = torch.is_inference_mode_enabled
