@@ -621,6 +621,38 @@ def test_an_autograd_function_lowers_its_values_and_refuses_its_derivatives():
     np.testing.assert_allclose(got, _torch_grad(_rounded, x)[0], rtol=1e-6)
 
 
+def _rounded_by_a_class_of_its_own(x):  # [3] -> []: a new Function class on every call
+    # a straight-through floor whose backward halves the gradient
+    StraightThroughInside = type(
+        "StraightThroughInside",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(lambda ctx, x: torch.floor(x)),
+            "backward": staticmethod(lambda ctx, g: g / 2),
+            "__qualname__": "_rounded_by_a_class_of_its_own.<locals>.StraightThroughInside",
+        },
+    )
+    return (StraightThroughInside.apply(x) * x).sum()
+
+
+def test_an_autograd_function_defined_during_the_call_refuses_its_derivatives():
+    # A class made after the capture starts has no forward code to watch beforehand: it is
+    # found through Function.apply. Differentiating its forward's ops would give d floor = 0.
+    x = np.array([0.3, 1.7, 2.2], np.float32)
+    f = torchjax.to_jax(_rounded_by_a_class_of_its_own, lowering="xla")
+    ref = _rounded_by_a_class_of_its_own(_t(x)).item()
+    np.testing.assert_allclose(jax.jit(f)(x), ref, rtol=1e-6)
+    for transform in (jax.grad, jax.jacfwd):
+        with pytest.raises(LoweringError, match="StraightThroughInside"):
+            jax.jit(transform(f))(x)
+    report = torchjax.lowering_report(_rounded_by_a_class_of_its_own, x)
+    assert report.autograd_functions == (
+        "_rounded_by_a_class_of_its_own.<locals>.StraightThroughInside",
+    ), report
+    got = jax.grad(torchjax.to_jax(_rounded_by_a_class_of_its_own))(x)
+    np.testing.assert_allclose(got, _torch_grad(_rounded_by_a_class_of_its_own, x)[0], rtol=1e-6)
+
+
 def test_an_autograd_function_is_found_under_cprofile():
     # 3.11 finds it through a profile function: cProfile's own must keep recording after.
     import cProfile

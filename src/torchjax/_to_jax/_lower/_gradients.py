@@ -21,14 +21,18 @@ from torchjax._compat._torch import is_custom_op_autograd, is_op_overload, torch
 _DETACH = torch.ops.aten.detach.default
 # (the higher-order op torch.export makes of a torch.no_grad() block; absent in old torch)
 _SET_GRAD_ENABLED = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+# Function.apply's code, in AutogradFunctions.codes: the class it applies is its `cls`.
+_APPLY: Any = object()
 
 
 class AutogradFunctions:
     """Records the torch.autograd.Function classes whose forward runs on this thread while
-    active (torch.export keeps no trace of them: the graph holds the forward's ops). It
-    watches the forward code of every Function subclass defined when it starts, torch's own
-    too (reentrant checkpointing's forward runs under no_grad, its backward recomputes), but
-    for torch.library's wrappers of custom ops.
+    active (torch.export keeps no trace of them: the graph holds the forward's ops), but
+    torch.library's wrappers of custom ops; torch's own too (reentrant checkpointing's
+    forward runs under no_grad, its backward recomputes). It watches Function.apply, whose
+    `cls` is the class applied (a class defined inside the function, a new one on every
+    call, is found there), and, for a subclass defined when it starts that overrides apply,
+    its forward's code.
 
     Python 3.12+ watches only those code objects, through sys.monitoring (another tool's
     events are untouched); 3.11 sets a profile function for the capture's duration, handing
@@ -75,23 +79,33 @@ class AutogradFunctions:
 
     def _start(self, code: types.CodeType, offset: int) -> None:
         if threading.get_ident() == self.thread:
-            self._record(self.codes.get(code))
+            self._record(code, sys._getframe(1))  # (the frame whose code starts)
 
     def _event(self, frame: types.FrameType, event: str, arg: Any) -> None:
         if event == "call":
-            self._record(self.codes.get(frame.f_code))
+            self._record(frame.f_code, frame)
         if callable(self.previous):
             self.previous(frame, event, arg)
 
-    def _record(self, cls: type | None) -> None:
+    def _record(self, code: types.CodeType, frame: types.FrameType) -> None:
+        cls = self.codes.get(code)
+        if cls is _APPLY:  # Function.apply(cls, ...): the class applied
+            cls = frame.f_locals.get("cls")
+            if not isinstance(cls, type) or is_custom_op_autograd(cls):
+                return
         if cls is not None and cls not in self.found:
             self.found.append(cls)
 
 
-def _forward_codes() -> dict[types.CodeType, type]:
-    """The code of each torch.autograd.Function subclass's forward (unwrapped: torch.amp's
-    custom_fwd wraps it)."""
-    codes: dict[types.CodeType, type] = {}
+def _forward_codes() -> dict[types.CodeType, Any]:
+    """The code of Function.apply (to _APPLY), and the forward's code (unwrapped: torch.amp's
+    custom_fwd wraps it) of each torch.autograd.Function subclass that overrides apply, to
+    the subclass (the others are found through apply, each once)."""
+    codes: dict[types.CodeType, Any] = {}
+    function_apply = inspect.getattr_static(torch.autograd.Function, "apply", None)
+    apply = getattr(function_apply, "__func__", function_apply)  # a classmethod's function
+    if isinstance(getattr(apply, "__code__", None), types.CodeType):
+        codes[apply.__code__] = _APPLY
     stack = list(torch.autograd.Function.__subclasses__())
     seen: set[type] = set()
     while stack:
@@ -102,6 +116,8 @@ def _forward_codes() -> dict[types.CodeType, type]:
         stack.extend(cls.__subclasses__())
         if is_custom_op_autograd(cls):  # the op is one node (a callback, with its backward)
             continue
+        if codes and inspect.getattr_static(cls, "apply", None) is function_apply:
+            continue  # (codes holds apply's)
         forward = cls.__dict__.get("forward")
         forward = getattr(forward, "__func__", forward)  # a staticmethod's function
         try:
