@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import torch
 
+from torchjax._compat._torch import is_op_overload
 from torchjax._convert import torch_dtype
 from torchjax._errors import LoweringError, TorchJaxError
 from torchjax._to_jax._call._outputs import as_jax_tree
@@ -155,12 +156,48 @@ def capture(
         touched.restore()
     try:
         mark_stop_gradients(program.graph_module)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", _TREESPEC_NOTICE, FutureWarning)
-            program = program.run_decompositions(_decompositions(table))
+        return _decomposed(program, table), captured
     except Exception as error:  # torch's own failure replaying the graph it captured
         raise LoweringError(_NOT_DECOMPOSED.format(name=name, error=_first_lines(error))) from error
-    return program, captured
+
+
+def _decomposed(
+    program: torch.export.ExportedProgram, table: OpTable
+) -> torch.export.ExportedProgram:
+    """`program` decomposed to the ops the table lowers. torch replays the graph to do it,
+    and a decomposition may give a value other strides than the capture saw (SDPA's output,
+    in transformers' GPT-2 at a batch above 1): an aten.view of it that was valid then fails.
+    Where that happens in a graph that writes nothing in place, its views become reshapes,
+    the same values (a functional graph's outputs alias nothing JAX could see), and it is
+    decomposed again."""
+    decompositions = _decompositions(table)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _TREESPEC_NOTICE, FutureWarning)
+        try:
+            return program.run_decompositions(decompositions)
+        except (RuntimeError, ValueError) as error:
+            if not any(m in str(error) for m in _VIEW_FAILURES) or not _views_as_reshapes(program):
+                raise
+        return program.run_decompositions(decompositions)
+
+
+# torch's refusals of a view of a tensor whose strides do not allow it.
+_VIEW_FAILURES = ("Cannot view a tensor with shape", "view size is not compatible")
+
+
+def _views_as_reshapes(program: torch.export.ExportedProgram) -> bool:
+    """Turn the aten.view nodes of `program`'s graphs into aten.reshape; False (nothing
+    changed) where a graph writes a tensor in place, as a view's aliasing matters there."""
+    graphs = [m for m in program.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+    nodes = [n for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    if any(is_op_overload(n.target) and n.target._schema.is_mutable for n in nodes):
+        return False
+    views = [n for n in nodes if n.target is torch.ops.aten.view.default]
+    for node in views:
+        node.target = torch.ops.aten.reshape.default
+    for graph in graphs:
+        graph.recompile()
+    return bool(views)
 
 
 # torch's refusals of an input requiring grad: then the capture runs without.
