@@ -84,15 +84,19 @@ def _forward_eqn(used: list[bool], eqn: Any, fn: Any, handle_at: int) -> Any:
     return eqn
 
 
-def _differentiated_vjp(fn: Any) -> VjpFunction:
+def _unbatched(fn: Any) -> Any:
+    """The callable under every batching layer of `fn`."""
     while isinstance(fn, BatchedFunction):
         fn = fn.inner
-    return fn.inner
+    return fn
+
+
+def _differentiated_vjp(fn: Any) -> VjpFunction:
+    return _unbatched(fn).inner
 
 
 def _differentiates_kept_vjp(fn: Any) -> bool:
-    while isinstance(fn, BatchedFunction):
-        fn = fn.inner
+    fn = _unbatched(fn)
     return (
         isinstance(fn, JvpFunction)
         and isinstance(fn.inner, VjpFunction)
