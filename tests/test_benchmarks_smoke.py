@@ -49,6 +49,11 @@ def test_compare_quick_runs_and_renders(tmp_path):
     doc = (tmp_path / "benchmarks.md").read_text()
     for heading in ["## Machine", "## How to reproduce", "## Size sweep", "![", "torch 2."]:
         assert heading in doc
+    # docs/benchmarks.md's hand-written blocks, carried over once each, in its order
+    source = (ROOT / "docs" / "benchmarks.md").read_text()
+    kept = [line for line in source.splitlines() if line.startswith("#") and "(issue 4" in line]
+    assert len(kept) >= 4, kept
+    assert [line for line in doc.splitlines() if line in kept] == kept
     assert (tmp_path / "benchmark_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {p: p.stat().st_mtime_ns for p in (ROOT / "docs").iterdir()} == docs_before
 
@@ -81,3 +86,41 @@ def test_gpu_check_without_a_gpu_says_so_and_passes():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no CUDA device on this machine" in proc.stdout
     assert "== install" not in proc.stdout  # no step ran
+
+
+def _compare_module():
+    sys.path.insert(0, str(COMPARE.parent))
+    try:
+        import compare
+    finally:
+        sys.path.remove(str(COMPARE.parent))
+    return compare
+
+
+def test_write_keeps_hand_written_blocks_where_they_were():
+    compare = _compare_module()
+    start, end = compare.HAND_WRITTEN, compare.HAND_WRITTEN_END
+    old = "\n".join(
+        ["# B", "", "## A", "", "old table A", "", start, "### note on A", "", end, ""]
+        + ["## Gone", "", start, "kept from a section no longer generated", end, ""]
+        + [start, "## Own section", "", "text", end, start, "after own", end, ""]
+        + ["## C", "old table C", "", "## On a GPU", "", "none"]
+    )
+    new = "\n".join(
+        ["# B", "", "## A", "", "new table A", "", "## C", "new table C", "", "## On a GPU"]
+        + ["", "none"]
+    )
+    got = compare.carry_hand_written(old, new).splitlines()
+    # A block under a heading `new` lacks goes before the GPU section; one that followed
+    # another block's own section follows it there.
+    assert got == (
+        ["# B", "", "## A", "", "new table A", "", start, "### note on A", "", end, ""]
+        + ["## C", "new table C", ""]
+        + [start, "kept from a section no longer generated", end, ""]
+        + [start, "## Own section", "", "text", end, ""]
+        + [start, "after own", end, ""]
+        + ["## On a GPU", "", "none"]
+    )
+    assert compare.carry_hand_written("", new) == new + "\n"
+    with pytest.raises(ValueError, match="end of hand-written block"):
+        compare.carry_hand_written("\n".join(["## A", start, "never closed"]), new)
