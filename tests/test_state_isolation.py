@@ -296,6 +296,19 @@ def test_ten_batch_norm_layers_in_train_mode_give_one_warning_naming_every_buffe
             assert not [w for w in caught if w.category is StateWarning]
 
 
+def test_a_first_call_under_jit_gives_one_warning_naming_every_written_buffer():
+    # The fake run sees only the counter's write (batch norm's CPU kernel moves no version
+    # counter of the running statistics): the real run, which sees them all, warns.
+    bn = torch.nn.BatchNorm1d(4).train()
+    apply, variables = torchjax.module_to_jax(bn)
+    x = jnp.linspace(-1.0, 2.0, 12).reshape(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.block_until_ready(jax.jit(apply)(variables, x))
+    (warning,) = [w for w in caught if w.category is StateWarning]
+    assert "3 buffers: 'running_mean', 'running_var', 'num_batches_tracked'" in str(warning.message)
+
+
 def test_in_place_buffer_write_without_mutable_warns_once():
     torch.manual_seed(0)
     bn = torch.nn.BatchNorm1d(4).train()

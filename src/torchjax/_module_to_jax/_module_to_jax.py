@@ -124,10 +124,13 @@ class _Apply:
         self.writes[training] = True
         return _copy_buffers(originals, self.state.n_params)
 
-    def note_writes(self, training: tuple, names: list, written: list, mutable: bool) -> None:
-        """Record what a run wrote; without mutable=True the writes are dropped: say so."""
+    def note_writes(
+        self, training: tuple, names: list, written: list, mutable: bool, warn: bool = True
+    ) -> None:
+        """Record what a run wrote; without mutable=True the writes are dropped: say so
+        where `warn`."""
         self.writes[training] = self.writes.get(training, False) or any(written)
-        if not mutable:
+        if not mutable and warn:
             dropped = [name for name, w in zip(names, written, strict=True) if w]
             if dropped:
                 self.state.warn_dropped(dropped, "wrote in place into")
@@ -203,13 +206,16 @@ class _Apply:
         state.check(self.name, params, buffers)
         values = _copy_buffers(state.slot_values(params, buffers), state.n_params)  # free
         out = state.fake_call(args, kwargs, values, mutable)
+        # (no warning: without data a write that moves no version counter is not seen, so
+        # the real run, which sees every write, names the dropped buffers, in one warning)
         self._learn_writes(state.training(), None, values, mutable)
         return out
 
     def _learn_writes(self, mode: tuple, originals: list | None, copies: list, mutable: bool):
         """After a run on copies of the buffers: which of them forward wrote in place, by
         version counter or, where there is data (`originals`), by value: batch norm's CPU
-        kernel writes its running statistics without moving their counters."""
+        kernel writes its running statistics without moving their counters. A run without
+        data (`originals` None, a fake run) learns but does not warn."""
         state = self.state
         names = [name for name, _ in state.buffer_reads]
         if self.writes.get(mode) is not None and (mutable or state.warned.issuperset(names)):
@@ -219,7 +225,7 @@ class _Apply:
             or (originals is not None and not same_bytes(originals[j], copies[j]))
             for _, j in state.buffer_reads
         ]
-        self.note_writes(mode, names, written, mutable)
+        self.note_writes(mode, names, written, mutable, warn=originals is not None)
 
     def lowered_call(self, params, buffers, args, kwargs, mutable: bool, rng: Any) -> Any:
         """apply's call with lowering="xla" (ModuleLowering)."""
