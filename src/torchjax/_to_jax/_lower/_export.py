@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import torch
 
-from torchjax._compat._torch import is_op_overload
+from torchjax._compat._torch import is_op_overload, op_schema
 from torchjax._convert import torch_dtype
 from torchjax._errors import LoweringError, TorchJaxError
 from torchjax._to_jax._call._outputs import as_jax_tree
@@ -190,7 +190,7 @@ def _views_as_reshapes(program: torch.export.ExportedProgram) -> bool:
     changed) where a graph writes a tensor in place, as a view's aliasing matters there."""
     graphs = [m for m in program.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
     nodes = [n for g in graphs for n in g.graph.nodes if n.op == "call_function"]
-    if any(is_op_overload(n.target) and n.target._schema.is_mutable for n in nodes):
+    if any(is_op_overload(n.target) and op_schema(n.target).is_mutable for n in nodes):
         return False
     views = [n for n in nodes if n.target is torch.ops.aten.view.default]
     for node in views:
