@@ -3,6 +3,7 @@ compared with torch and torch.func computing the same thing, under every transfo
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -494,6 +495,32 @@ def test_capture_leaves_no_fake_tensor_in_a_cache_filled_on_first_use():
     x = np.linspace(0, 1, 3).astype(np.float32)
     np.testing.assert_allclose(jax.jit(f)(x), x * np.cos(x), rtol=1e-6)
     assert c.cache is None  # torch.export's fake tensors never reach the user's module
+
+
+@functools.lru_cache
+def _sin_table(n: int) -> torch.Tensor:
+    return torch.sin(torch.arange(n, dtype=torch.float32))
+
+
+class _SinScaled(torch.nn.Module):
+    def forward(self, x):  # [n] -> [n]
+        return x * _sin_table(x.shape[0])
+
+
+@pytest.mark.parametrize("kind", ["to_jax", "module_to_jax"])
+def test_capture_leaves_no_fake_tensor_in_an_lru_cache(kind):
+    # torch.export fills the cache with its fake tensor; plain torch must get a real one
+    # after (the callback path: tests/test_state_isolation.py).
+    _sin_table.cache_clear()
+    x = np.linspace(0.5, 2.0, 5).astype(np.float32)
+    if kind == "to_jax":
+        got = jax.jit(torchjax.to_jax(lambda x: x * _sin_table(x.shape[0]), lowering="xla"))(x)
+    else:
+        apply, v = torchjax.module_to_jax(_SinScaled(), lowering="xla")
+        got = jax.jit(apply)(v, x)
+    np.testing.assert_allclose(got, x * np.sin(np.arange(5.0)), rtol=1e-6)
+    assert type(_sin_table(5)) is torch.Tensor
+    np.testing.assert_allclose(_sin_table(5).numpy(), np.sin(np.arange(5.0)), rtol=1e-6)
 
 
 def test_a_moved_module_and_a_pickled_apply():

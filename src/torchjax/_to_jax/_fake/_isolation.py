@@ -222,6 +222,13 @@ class FakeRunState:
             if s.changed():
                 s.restore()
 
+    def clear_grown_caches(self) -> None:
+        """Clear each reachable lru_cache the run added entries to: what it cached may be a
+        fake tensor (torch.export's, which `track` never sees), and a cache may go empty."""
+        for cache, size in zip(self.caches, self.sizes, strict=True):
+            if _cache_size(cache) != size:
+                cache.cache_clear()
+
     def check_left_behind(self, after: BaseException | None = None) -> None:
         """Take back fake tensors that outlive the run where that is safe; raise for any
         other. Call after the run's own references to its tensors are gone; `after`: the
@@ -233,9 +240,7 @@ class FakeRunState:
             return
         if after is not None and not _reach_state([r() for r in self.made if r() is not None]):
             return  # only the failure holds them (see _reach_state): they go with it
-        for cache, size in zip(self.caches, self.sizes, strict=True):
-            if _cache_size(cache) != size:
-                cache.cache_clear()
+        self.clear_grown_caches()
         for ref in self.made:
             _take_back(ref)
         t = self._first_alive() if after is None else self._first_held()

@@ -154,6 +154,7 @@ def capture(
         raise LoweringError(_not_captured(name, error)) from error
     finally:
         touched.restore()
+        touched.clear_grown_caches()  # a cache filled on first use holds a fake tensor now
     try:
         mark_stop_gradients(program.graph_module)
         return _decomposed(program, table), captured
