@@ -455,7 +455,8 @@ def carry_hand_written(old: str, new: str) -> str:
         raise ValueError(f"a hand-written block has no {HAND_WRITTEN_END!r} line: {block[:2]}")
     lines = new.splitlines()
     for anchor, block in blocks:
-        lines[_section_end(lines, anchor) : _section_end(lines, anchor)] = [*block, ""]
+        end = _section_end(lines, anchor)
+        lines[end:end] = [*block, ""]
     return "\n".join(lines) + "\n"
 
 
