@@ -570,3 +570,19 @@ def restore_generators(states: list | None) -> None:
 # reference that compares equal for one storage: torch's own, from its multiprocessing
 # support. Required: nothing public compares storages without holding them.
 storage_key = private("torch.multiprocessing.reductions.StorageWeakRef")  # storage -> key
+
+_free_unbacked_symbols = private(
+    "torch.fx.experimental.symbolic_shapes.free_unbacked_symbols",
+    fallback="lowering='xla' names a value-dependent shape only when a lowering fails on it",
+)
+
+
+def has_value_dependent_size(value: Any) -> bool:
+    """Whether a captured tensor's sizes depend on its inputs' values (torch.export's
+    unbacked symbols: `x[mask]`, nonzero, unique)."""
+    if _free_unbacked_symbols is ABSENT or not isinstance(value, torch.Tensor):
+        return False
+    try:
+        return bool(_free_unbacked_symbols(value.shape))
+    except Exception:
+        return False

@@ -106,15 +106,20 @@ def _dim_spec(shape: tuple, path: str, dims: dict) -> tuple[list, dict | None]:
     return sizes, (spec or None)
 
 
-def examples(avals: list, paths: list[str]) -> tuple[list, dict | None]:
+def examples(avals: list, paths: list[str], widen: bool = False) -> tuple[list, dict | None]:
     """Example tensors for a signature's arrays and torch.export's dynamic shapes for them
     (None where every size is static): JAX's symbolic dimensions become torch.export dims,
-    one per symbol. `paths` name the arrays in messages."""
+    one per symbol. `paths` name the arrays in messages. With `widen`, an int32 array is an
+    int64 tensor, as the callback path hands it to torch with x64 off (_convert.py's x64
+    policy: torch's indexing code wants int64); JAX computes it in int32 all the same."""
     dims: dict = {}
     tensors, specs = [], []
     for aval, path in zip(avals, paths, strict=True):
         sizes, spec = _dim_spec(tuple(aval.shape), path, dims)
-        tensors.append(torch.zeros(sizes, dtype=torch_dtype(aval.dtype)))
+        dtype = torch_dtype(aval.dtype)
+        if widen and dtype == torch.int32:
+            dtype = torch.int64
+        tensors.append(torch.zeros(sizes, dtype=dtype))
         specs.append(spec)
     return tensors, ({"tensors": specs} if any(s is not None for s in specs) else None)
 
@@ -138,12 +143,13 @@ def capture(
     # torch.export runs the function's Python on fake tensors: what it leaves in the state
     # the function reaches (a cache filled on first use) is put back, as after a fake run.
     touched = FakeRunState(fn, name)
+    functions = AutogradFunctions()
     try:
         # (enable_grad: the grad mode plain torch code runs in)
         with FAKE_RUN_LOCK, torch.enable_grad(), warnings.catch_warnings():
             # torch.export's own pytree deprecation notice, about its internals, not user code.
             warnings.filterwarnings("ignore", _TREESPEC_NOTICE, FutureWarning)
-            with AutogradFunctions() as functions:
+            with functions:
                 program = _export(flat, tensors, dynamic)
         captured.autograd_functions = [f.__qualname__ for f in functions.found]
     except TorchJaxError:
@@ -151,13 +157,19 @@ def capture(
     except Exception as error:
         if _raised_by_user(error):
             raise  # the user's own exception (an input check, say) stays theirs
+        if functions.derivatives:
+            raise LoweringError(_derivative_inside(name, functions.derivatives)) from error
         raise LoweringError(_not_captured(name, error)) from error
     finally:
         touched.restore()
         touched.clear_grown_caches()  # a cache filled on first use holds a fake tensor now
+    if functions.derivatives:
+        raise LoweringError(_derivative_inside(name, functions.derivatives))
     try:
-        mark_stop_gradients(program.graph_module)
+        mark_stop_gradients(program.graph_module, name)
         return _decomposed(program, table), captured
+    except TorchJaxError:
+        raise
     except Exception as error:  # torch's own failure replaying the graph it captured
         raise LoweringError(_NOT_DECOMPOSED.format(name=name, error=_first_lines(error))) from error
 
@@ -267,6 +279,19 @@ def _raised_by_user(error: BaseException) -> bool:
 
 def _is_library_frame(filename: str) -> bool:
     return any(part in filename for part in ("/torch/", "/torchjax/", "/jax/", "/sympy/"))
+
+
+_DERIVATIVE_INSIDE = """\
+lowering="xla": {name} takes a derivative inside itself ({calls}). torch.export records
+the ops torch runs, not autograd's tape, so lowering="xla" cannot turn that derivative into
+JAX ops. Either take it in JAX, outside the lowered function (forces from an energy:
+`forces = -jax.grad(energy)(positions)` around the lowered energy, which also lowers the
+derivative), or use lowering="callback" (the default), which runs torch.autograd.grad as
+torch code."""
+
+
+def _derivative_inside(name: str, calls: list[str]) -> str:
+    return _DERIVATIVE_INSIDE.format(name=name, calls="; ".join(calls))
 
 
 _NOT_DECOMPOSED = """\

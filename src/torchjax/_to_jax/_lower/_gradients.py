@@ -2,9 +2,22 @@
 # differentiating the lowered ops, would: a .detach(), a torch.no_grad() block, an output
 # that torch's derivative formula leaves out (batch norm's saved statistics), and the
 # forward of a torch.autograd.Function, whose own backward torch.export drops (the graph
-# holds only the forward's ops). The first three become aten.detach nodes before the graph
-# is decomposed, and Program lowers aten.detach to jax.lax.stop_gradient; an
-# autograd.Function is found while capturing, and derivatives of its program refused.
+# holds only the forward's ops). An autograd.Function is found while capturing, and
+# derivatives of its program refused.
+#
+# Graph form: mark_stop_gradients sees the graph torch.export captured, before
+# functionalization and decomposition, as that is the only form where torch's grad mode is
+# still there (decomposition inlines a no_grad block's ops) and where an in-place write is
+# still a write. A value torch does not differentiate gets a marker Program lowers to
+# jax.lax.stop_gradient. The marker must say what torch's autograd says of the *value at
+# that point*: a later in-place write with a differentiated operand (`out =
+# torch.zeros_like(x); out[1:] = 2 * x[:-1]`, the scatter idiom `x.new_zeros(...)
+# .index_add_(...)`) makes the written tensor differentiated again. aten.detach, a view,
+# cannot say that: functionalization replays the view on the written result, and JAX's
+# gradient becomes 0. So a fresh value (not an alias of another) is marked by
+# torchjax::stop_gradient, a functional copy that functionalization leaves where it is;
+# only an alias keeps aten.detach, which is what torch gives it (torch refuses an in-place
+# write in grad mode into a view made under no_grad).
 from __future__ import annotations
 
 import inspect
@@ -16,13 +29,23 @@ from typing import Any
 
 import torch
 
-from torchjax._compat._torch import is_custom_op_autograd, is_op_overload, torch_pytree
+from torchjax._compat._torch import (
+    is_custom_op_autograd,
+    is_op_overload,
+    op_schema,
+    torch_pytree,
+)
+from torchjax._errors import LoweringError
+from torchjax._to_jax._context import LOWERING_LOCK
 
 _DETACH = torch.ops.aten.detach.default
 # (the higher-order op torch.export makes of a torch.no_grad() block; absent in old torch)
 _SET_GRAD_ENABLED = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
 # Function.apply's code, in AutogradFunctions.codes: the class it applies is its `cls`.
 _APPLY: Any = object()
+# torch.autograd.grad's and torch.autograd.backward's (Tensor.backward's) code: a derivative
+# taken inside the function, which torch.export does not capture as ops JAX could run.
+_AUTOGRAD: Any = object()
 
 
 class AutogradFunctions:
@@ -41,6 +64,7 @@ class AutogradFunctions:
 
     def __init__(self) -> None:
         self.found: list[type] = []
+        self.derivatives: list[str] = []  # where torch.autograd.grad/backward was called
         self.thread = threading.get_ident()
         self.codes = _forward_codes()
         self.tool: int | None = None
@@ -89,12 +113,29 @@ class AutogradFunctions:
 
     def _record(self, code: types.CodeType, frame: types.FrameType) -> None:
         cls = self.codes.get(code)
+        if cls is _AUTOGRAD:
+            where = f"torch.autograd.{code.co_name}{_caller(frame)}"
+            if where not in self.derivatives:
+                self.derivatives.append(where)
+            return
         if cls is _APPLY:  # Function.apply(cls, ...): the class applied
             cls = frame.f_locals.get("cls")
             if not isinstance(cls, type) or is_custom_op_autograd(cls):
                 return
         if cls is not None and cls not in self.found:
             self.found.append(cls)
+
+
+def _caller(frame: types.FrameType) -> str:
+    """ ", called at file:line" of the nearest frame outside torch that led to `frame`."""
+    caller = frame.f_back
+    while caller is not None and any(
+        part in caller.f_code.co_filename for part in ("/torch/", "/torchjax/")
+    ):
+        caller = caller.f_back
+    if caller is None:
+        return ""
+    return f", called at {caller.f_code.co_filename}:{caller.f_lineno}"
 
 
 def _forward_codes() -> dict[types.CodeType, Any]:
@@ -106,6 +147,10 @@ def _forward_codes() -> dict[types.CodeType, Any]:
     apply = getattr(function_apply, "__func__", function_apply)  # a classmethod's function
     if isinstance(getattr(apply, "__code__", None), types.CodeType):
         codes[apply.__code__] = _APPLY
+    for derivative in (torch.autograd.grad, torch.autograd.backward):
+        code = getattr(inspect.unwrap(derivative), "__code__", None)
+        if isinstance(code, types.CodeType):
+            codes[code] = _AUTOGRAD
     stack = list(torch.autograd.Function.__subclasses__())
     seen: set[type] = set()
     while stack:
@@ -129,50 +174,200 @@ def _forward_codes() -> dict[types.CodeType, Any]:
     return codes
 
 
-def mark_stop_gradients(graph_module: torch.fx.GraphModule) -> None:
-    """Put an aten.detach after every value of the captured (not yet decomposed) graph that
-    torch does not differentiate: the outputs of a torch.no_grad() block, and the floating
-    outputs a torch op's derivative leaves out. Decomposition keeps aten.detach whole."""
+_stop_gradient: Any = None
+
+
+def stop_gradient_op() -> Any:
+    """torchjax::stop_gradient, defined on first use (importing torchjax defines no torch
+    op): a copy of its input that is no view of it, so functionalization keeps it before
+    the in-place writes that follow; Program lowers it to jax.lax.stop_gradient."""
+    global _stop_gradient
+    if _stop_gradient is None:
+        with LOWERING_LOCK:
+            if _stop_gradient is None:
+                _stop_gradient = _define_stop_gradient()
+    return _stop_gradient
+
+
+def _define_stop_gradient() -> Any:
+    @torch.library.custom_op("torchjax::stop_gradient", mutates_args=())
+    def stop_gradient(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @stop_gradient.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    # (torch never differentiates it: the graph is only replayed to decompose it)
+    stop_gradient.register_autograd(lambda ctx, grad: torch.zeros_like(grad))
+    return torch.ops.torchjax.stop_gradient.default
+
+
+_WRITE_INTO_DETACHED = """\
+lowering="xla": {name} writes in place into the result of .detach(){where} and reads the
+tensor it detached from after that write. The two share memory, so torch gives the write to
+both, and differentiates it through the detached one only: a captured graph of values, which
+is what lowering="xla" turns into JAX ops, cannot hold that. Write into a .clone() of it
+instead, or use lowering="callback" (the default), which runs the function as torch code."""
+
+
+def mark_stop_gradients(graph_module: torch.fx.GraphModule, name: str = "the function") -> None:
+    """Mark every value of the captured (not functionalized, not decomposed) graph that
+    torch does not differentiate: the outputs of a torch.no_grad() block, the floating
+    outputs a torch op's derivative leaves out, and a .detach() the function writes into
+    afterwards (whose aten.detach becomes the functional marker)."""
     graph = graph_module.graph
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target is _SET_GRAD_ENABLED and _SET_GRAD_ENABLED is not None:
             enabled, submodule = node.args[0], node.args[1]
+            block = getattr(graph_module, submodule.target)
             if enabled:
-                mark_stop_gradients(getattr(graph_module, submodule.target))
+                mark_stop_gradients(block, name)
                 continue
-            stopped = None  # every output of a no_grad block
-        elif is_op_overload(node.target) and node.target is not _DETACH:
+            _detach_inputs(block)
+            _mark_outputs(graph, node, None, _block_aliases(block))
+        elif node.target is _DETACH:
+            _detached_then_written(graph, node, name)
+        elif is_op_overload(node.target):
             mask = differentiable_outputs(node)
             if mask is None or all(mask):
                 continue
             stopped = [i for i, d in enumerate(mask) if not d]
-        else:
-            continue
-        _detach_outputs(graph, node, stopped)
+            returns = op_schema(node.target).returns
+            aliases = [r.alias_info is not None for r in returns]
+            _mark_outputs(graph, node, stopped, aliases)
+    graph.lint()
     graph_module.recompile()
 
 
-def _detach_outputs(graph: torch.fx.Graph, node: torch.fx.Node, stopped: list | None) -> None:
-    """Route the uses of `node`'s outputs numbered in `stopped` (all where None) through
-    a new aten.detach node each."""
+def _detach_inputs(block: torch.fx.GraphModule) -> None:
+    """Read a no_grad block's inputs through aten.detach: what the block writes into a
+    tensor from outside (`with torch.no_grad(): out[1:] = x[:-1]`) is then not
+    differentiated, as in torch, and still written there (a view writes through)."""
+    for node in list(block.graph.nodes):
+        if node.op == "placeholder":
+            _mark_uses(block.graph, node, alias=True)
+    block.recompile()
+
+
+def _block_aliases(block: torch.fx.GraphModule) -> list[bool]:
+    """Per output of a no_grad block's graph: whether it may alias a value from outside
+    (an input of the block, or a view of one)."""
+    outputs = block.graph.output_node().args[0]
+    outputs = outputs if isinstance(outputs, tuple | list) else (outputs,)
+    return [_may_alias(out) for out in outputs]
+
+
+def _may_alias(value: Any) -> bool:
+    if not isinstance(value, torch.fx.Node):
+        return False
+    if value.op == "placeholder":
+        return True
+    if value.target is operator.getitem:
+        return _may_alias(value.args[0])
+    if not is_op_overload(value.target):
+        return True  # (unknown: keep the view semantics)
+    return any(r.alias_info is not None for r in op_schema(value.target).returns)
+
+
+def _mark_outputs(
+    graph: torch.fx.Graph, node: torch.fx.Node, stopped: list | None, aliases: list[bool]
+) -> None:
+    """Route the uses of `node`'s outputs numbered in `stopped` (all where None) through a
+    marker each: torchjax::stop_gradient for a fresh value, aten.detach for an alias."""
     if isinstance(node.meta.get("val"), torch.Tensor):
-        _detach_uses(graph, node)
+        _mark_uses(graph, node, aliases[0] if aliases else True)
         return
     for user in list(node.users):
         if user.target is operator.getitem and (stopped is None or user.args[1] in stopped):
-            _detach_uses(graph, user)
+            i = user.args[1]
+            _mark_uses(graph, user, aliases[i] if i < len(aliases) else True)
 
 
-def _detach_uses(graph: torch.fx.Graph, value: torch.fx.Node) -> None:
+def _mark_uses(graph: torch.fx.Graph, value: torch.fx.Node, alias: bool) -> None:
     meta = value.meta.get("val")
     if not isinstance(meta, torch.Tensor) or not (meta.is_floating_point() or meta.is_complex()):
         return
     with graph.inserting_after(value):
-        detached = graph.call_function(_DETACH, (value,))
-    detached.meta.update(value.meta)
-    value.replace_all_uses_with(detached, delete_user_cb=lambda user: user is not detached)
+        marker = graph.call_function(_DETACH if alias else stop_gradient_op(), (value,))
+    marker.meta.update(value.meta)
+    value.replace_all_uses_with(marker, delete_user_cb=lambda user: user is not marker)
+
+
+def _detached_then_written(graph: torch.fx.Graph, detach: torch.fx.Node, name: str) -> None:
+    """A user's `y = h.detach()` that the function writes into afterwards (`y.add_(x)`):
+    torch differentiates what the write adds through y, where a view's replay after
+    functionalization would stop it. Where h's side is not touched after the detach (h is
+    not written, nor read after y's first write), y becomes the functional marker; where
+    it is, refused."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    detached = _aliases_of(detach)
+    writes = [order[u] for m in detached for u in m.users if _writes(u, m)]
+    source = detach.args[0]
+    if not writes or not isinstance(source, torch.fx.Node) or source.op == "placeholder":
+        return  # (an input written through y: torch.export records it, Lowered refuses it)
+    first = min(writes)
+    for member in _aliases_of(source) - detached:
+        for user in member.users:
+            if user is detach or user in detached:
+                continue
+            after = order.get(user, len(order))
+            if after > first or (after > order[detach] and _writes(user, member)):
+                raise LoweringError(_WRITE_INTO_DETACHED.format(name=name, where=user_line(detach)))
+    with graph.inserting_after(detach):
+        marker = graph.call_function(stop_gradient_op(), detach.args)
+    marker.meta.update(detach.meta)
+    detach.replace_all_uses_with(marker)
+    graph.erase_node(detach)
+
+
+def _aliases_of(value: torch.fx.Node) -> set[torch.fx.Node]:
+    """`value` and every node of the graph that shares its memory through it: its views,
+    the results of in-place writes into it, their views, ..."""
+    found, stack = {value}, [value]
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in found:
+                continue
+            if user.target is operator.getitem or _aliased_argument(user, node) is not None:
+                found.add(user)
+                stack.append(user)
+    return found
+
+
+def _aliased_argument(user: torch.fx.Node, value: torch.fx.Node) -> Any:
+    """The schema argument through which op `user` aliases `value` (a view's input, an
+    in-place op's self), or None."""
+    if not is_op_overload(user.target):
+        return None
+    schema = op_schema(user.target)
+    for arg, given in zip(schema.arguments, user.args, strict=False):
+        if given is value and arg.alias_info is not None:
+            return arg
+    for arg in schema.arguments:
+        if user.kwargs.get(arg.name) is value and arg.alias_info is not None:
+            return arg
+    return None
+
+
+def _writes(user: torch.fx.Node, value: torch.fx.Node) -> bool:
+    arg = _aliased_argument(user, value)
+    return arg is not None and arg.alias_info.is_write
+
+
+def user_line(node: torch.fx.Node) -> str:
+    """ ", at <the user's line>" from torch.export's stack trace of `node`, or ""."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [
+        line.strip()
+        for line in trace.splitlines()
+        if line.strip().startswith("File ")
+        and not any(part in line for part in ("/torch/", "/torchjax/", "/jax/"))
+    ]
+    return f", at {frames[-1][5:]}" if frames else ""
 
 
 def differentiable_outputs(node: torch.fx.Node) -> list[bool] | None:

@@ -10,7 +10,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from torchjax._convert import canonical_jax_dtype, is_array, torch_dtype
+from torchjax._compat._messages import wants_int32
+from torchjax._convert import canonical_jax_dtype, is_array, torch_dtype, widens
 from torchjax._errors import LoweringError, StaticArgumentError
 from torchjax._log import logger, signature, timed
 from torchjax._to_jax._call._guard import inplace_error
@@ -86,10 +87,18 @@ class Lowered:
         in_tree, template, types = key
         avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in types]
         names = [self.describe(p) for p in paths]
-        example = examples(avals, names)  # (its errors first: they need no op table)
+        widen = widens([a.dtype for a in avals])
+        example = examples(avals, names, widen)  # (its errors first: they need no op table)
         table = op_table()
         with timed("torch.export of %s at %s", self.name, signature(avals)):
-            exported, captured = capture(self.fn, self.name, in_tree, template, example, table)
+            try:
+                exported, captured = capture(self.fn, self.name, in_tree, template, example, table)
+            except LoweringError as error:
+                if not widen or not wants_int32(error.__cause__ or error):
+                    raise
+                # (an op that wants int32, as on the callback path: its int32 tensors)
+                example = examples(avals, names)
+                exported, captured = capture(self.fn, self.name, in_tree, template, example, table)
         program = Program(self.name, exported, captured, table, self.callback)
         if program.narrowed:
             logger.info(

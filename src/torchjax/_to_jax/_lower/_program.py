@@ -14,19 +14,46 @@ import jax.numpy as jnp
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
-from torchjax._compat._torch import is_higher_order_op, is_op_overload
+from torchjax._compat._torch import (
+    has_value_dependent_size,
+    is_higher_order_op,
+    is_op_overload,
+    op_schema,
+    torch_pytree,
+)
 from torchjax._convert import canonical_jax_dtype, tensor_to_jax
 from torchjax._errors import LoweringError
 from torchjax._log import logger
 from torchjax._to_jax._lower._callback_ops import CALLBACK_OPS
 from torchjax._to_jax._lower._engine import OpTable
 from torchjax._to_jax._lower._export import Captured
-from torchjax._to_jax._lower._gradients import differentiable_outputs
+from torchjax._to_jax._lower._gradients import (
+    differentiable_outputs,
+    stop_gradient_op,
+    user_line,
+)
 from torchjax._to_jax._lower._own_ops import OWN_LOWERINGS
 
 _HIGHER_ORDER = """\
 lowering="xla": {name} uses {op}, a torch higher-order op (control flow or a wrapped
 subgraph), which has no lowering yet. Use lowering="callback" (the default) for it."""
+
+_WIDE_FLOAT = """\
+lowering="xla": {name} computes in {dtype} ({ops}{where}) while JAX's x64 mode is off. JAX
+holds no {dtype} value then: lowered, this arithmetic would run in float32, without the
+precision the code asks for (a NaN or inf where torch's result is finite, at worst). Enable
+x64 before the first call, jax.config.update("jax_enable_x64", True), or use
+lowering="callback" (the default), which runs the function in torch at its own precision and
+returns float32 arrays."""
+
+_VALUE_SHAPED = """\
+lowering="xla": {name} makes a tensor whose shape depends on its inputs' values ({op}{where}:
+boolean-mask indexing `x[mask]`, nonzero, masked_select, unique, repeat_interleave by a
+tensor). A lowered program fixes every shape when JAX traces it, so neither JAX ops nor a
+per-op callback can carry that tensor. Rewrite it with fixed shapes (`x[x > 0].sum()` is
+`torch.where(x > 0, x, 0).sum()`), or use lowering="callback" (the default), which runs the
+whole function in torch: eagerly as it is, and under jit with its outputs declared
+(to_jax(fn, result_shape_dtypes=...)) where their shapes do not follow from a fake run."""
 
 _NOT_STRIDED = """\
 lowering="xla": {name} makes a {layout} tensor ({op}). JAX arrays are dense, so neither a
@@ -130,7 +157,14 @@ class Program:
             if not jax.config.jax_enable_x64
             else set()
         )
+        if not jax.config.jax_enable_x64:
+            _refuse_wide_floats(name, self.graph)
         for node in self.graph.nodes:
+            if has_value_dependent_size(node.meta.get("val")):
+                where = user_line(node)
+                raise LoweringError(
+                    _VALUE_SHAPED.format(name=name, op=op_name(node.target), where=where)
+                )
             if is_higher_order_op(node.target):
                 raise LoweringError(_HIGHER_ORDER.format(name=name, op=op_name(node.target)))
             if node.op == "get_attr":
@@ -173,7 +207,7 @@ class Program:
         if not is_op_overload(target):
             return target(*args, **kwargs)  # operator.getitem, arithmetic on sizes
         name = op_name(target)
-        if target is torch.ops.aten.detach.default:
+        if target is torch.ops.aten.detach.default or target is stop_gradient_op():
             self.routes[node.name] = Route(node.name, name, True)
             return jax.lax.stop_gradient(args[0])
         own = OWN_LOWERINGS.get(name)
@@ -203,7 +237,52 @@ class Program:
         if node.name not in self.routes:
             logger.debug("%s: %s runs as a torch callback: %s", self.name, name, why)
         self.routes[node.name] = Route(node.name, name, False, why)
+        # (torch.fx's immutable containers are leaves to JAX: plain ones are its pytrees)
+        args, kwargs = _plain((args, kwargs))
         return self.callback(target)(*args, **kwargs)
+
+
+def _plain(value: Any) -> Any:
+    """`value` with torch.fx's immutable_list and immutable_dict made lists and dicts."""
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+_WIDE_FLOATS = (torch.float64, torch.complex128)
+# Ops that move a 64-bit float without computing with it: a conversion, a copy.
+_NOT_ARITHMETIC = frozenset(
+    {"_to_copy", "clone", "copy", "convert_element_type", "_assert_tensor_metadata", "detach"}
+)
+
+
+def _refuse_wide_floats(name: str, graph: torch.fx.Graph) -> None:
+    """With x64 off, a LoweringError where the graph computes with float64 or complex128
+    values (JAX would hold them in 32 bits); a conversion, a copy or a view of one is no
+    computation, so `x.double()` returned, or cast back, lowers."""
+    found: dict[str, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or not is_op_overload(node.target):
+            continue
+        inputs = [
+            a.meta.get("val")
+            for a in torch_pytree.tree_leaves((node.args, node.kwargs))
+            if isinstance(a, torch.fx.Node)
+        ]
+        wide = [t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.dtype in _WIDE_FLOATS]
+        if not wide or node.target.__name__.split(".")[0] in _NOT_ARITHMETIC:
+            continue
+        if any(r.alias_info is not None for r in op_schema(node.target).returns):
+            continue  # a view
+        found.setdefault(str(wide[0]).removeprefix("torch."), []).append(node)
+    for dtype, nodes in found.items():
+        ops = ", ".join(dict.fromkeys(op_name(n.target) for n in nodes[:6]))
+        where = next((user_line(n) for n in nodes if user_line(n)), "")
+        raise LoweringError(_WIDE_FLOAT.format(name=name, dtype=dtype, ops=ops, where=where))
 
 
 # Ops whose int64 result can leave the range of their inputs (so int32 arithmetic can wrap
