@@ -1,5 +1,6 @@
 # The JAX and jaxlib half of the private names: JAX's primitive machinery and rule tables,
-# its partial evaluation, the x64 flag, arrays' devices and jaxlib's DLPack entry points.
+# its partial evaluation, jax.export's table of pytree node names, the x64 flag, arrays'
+# devices and jaxlib's DLPack entry points.
 # Imports jax only (PytreePrimitive stands on this half alone).
 #
 # Each name is looked up by feature detection, not by version number (see _registry.py):
@@ -434,6 +435,29 @@ def hide_frames_under(path: str) -> None:
 def traceback_boundary(fn: Any) -> Any:
     """`fn`, made a boundary below which JAX filters an exception's traceback."""
     return fn if _api_boundary is ABSENT else _api_boundary(fn)
+
+
+# ---------------------------------------------------------------------------------------
+# JAX: jax.export's names for pytree nodes (_to_jax/_call/_outputs.py)
+# ---------------------------------------------------------------------------------------
+
+# Serialized name -> (type, ...), what jax.export.deserialize looks names up in. jax.export
+# refuses a second type for a name, and says only that; where a name torchjax wants for one
+# of its namedtuples is taken (by the user, to deserialize an artifact before torchjax made
+# the class, or by another thread making the same class at the same moment), the type found
+# here is used in its place.
+_export_names = private(
+    "jax._src.export._export.deserialization_registry",
+    fallback="an output namedtuple whose jax.export name was taken first does not serialize",
+)
+
+
+def export_type_named(serialized_name: str) -> type | None:
+    """The type registered for jax.export serialization as `serialized_name`, or None."""
+    entry = None if _export_names is ABSENT else _export_names.get(serialized_name)
+    if isinstance(entry, tuple) and entry and isinstance(entry[0], type):
+        return entry[0]
+    return None
 
 
 # ---------------------------------------------------------------------------------------

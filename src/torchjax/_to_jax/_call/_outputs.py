@@ -10,10 +10,20 @@
 # ModelOutput does), any other torch node a tuple of its children.
 # A numpy scalar becomes a 0-d tensor of its dtype. Leaves that are neither tensors nor
 # numbers are left alone: the output checks name them.
+#
+# Each container made here is registered for jax.export serialization, so an exported
+# function's output structure serializes: OutputDict as "torchjax.OutputDict" (next to its
+# pytree registration, at import), each structseq's namedtuple as
+# "torchjax.return_types.<name>" when it is first made. A process that deserializes needs
+# the same names registered: `import torchjax` does OutputDict's; a return_types name, or
+# any name where torchjax cannot be imported, is registered there by hand (docs/lowering.md;
+# torchjax then returns the class registered). A user's own namedtuple stays the user's
+# class (isinstance, its methods), so its name is the user's to register.
 from __future__ import annotations
 
 import collections
 import functools
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,8 +31,10 @@ import jax
 import numpy as np
 import torch
 
+from torchjax._compat._jax import export_type_named
 from torchjax._compat._torch import is_structseq_class, tensor_from_capsule, torch_pytree
 from torchjax._convert import check_has_data, narrow_checked
+from torchjax._log import logger
 
 _tree = jax.tree_util
 
@@ -50,6 +62,54 @@ _tree.register_pytree_with_keys(
     lambda d: ([(_tree.DictKey(k), v) for k, v in d.items()], tuple(d)),
     lambda keys, values: OutputDict(zip(keys, values, strict=True)),
     lambda d: (list(d.values()), tuple(d)),
+)
+
+_NOT_A_STRING_KEY = (
+    "jax.export cannot serialize an OutputDict with the key {key!r} (a {type}): it writes "
+    "string keys only, as for a dict. Give the dict-like your torch function returns string "
+    "keys, or return a tuple of its values from the function you export."
+)
+
+
+def _keys_as_bytes(keys: tuple) -> bytes:
+    for key in keys:
+        if type(key) is not str:
+            raise TypeError(_NOT_A_STRING_KEY.format(key=key, type=type(key).__name__))
+    return json.dumps(keys).encode()
+
+
+def _keys_from_bytes(data: bytes) -> tuple:
+    return tuple(json.loads(data))  # the pytree's aux data: the keys, as a tuple
+
+
+def _for_export(cls: type, name: str, register: Any) -> type:
+    """`cls`, registered by `register` (one of jax.export's) to serialize as `name`.
+
+    Where `name` is taken, jax.export refuses a second type for it: the type registered
+    under it is returned in place of `cls` if it is a tuple with the same fields (the user's
+    line from docs/lowering.md, or the same class made by another thread at the same
+    moment), and `cls` unregistered otherwise (serializing it then fails, naming it).
+    """
+    try:
+        return register(cls, serialized_name=name)
+    except ValueError:
+        taken = export_type_named(name)
+        fields = getattr(cls, "_fields", None)
+        if fields is not None and isinstance(taken, type) and issubclass(taken, tuple):
+            if getattr(taken, "_fields", None) == fields:
+                return taken
+        logger.debug("jax.export's name %r is taken by %r: %r will not serialize", name, taken, cls)
+        return cls
+
+
+_for_export(
+    OutputDict,
+    "torchjax.OutputDict",
+    functools.partial(
+        jax.export.register_pytree_node_serialization,
+        serialize_auxdata=_keys_as_bytes,
+        deserialize_auxdata=_keys_from_bytes,
+    ),
 )
 
 
@@ -119,9 +179,14 @@ def _is_jax_leaf(x: Any) -> bool:
 
 @functools.cache
 def _namedtuple(structseq: type) -> type:
-    """One namedtuple class per structseq type, so equal outputs give equal treedefs."""
+    """One namedtuple class per structseq type, so equal outputs give equal treedefs,
+    registered for jax.export as torchjax.return_types.<name> (a structseq of another
+    module: torchjax.<module>.<name>)."""
     n = structseq.n_sequence_fields
-    return collections.namedtuple(structseq.__name__, structseq.__match_args__[:n])
+    cls = collections.namedtuple(structseq.__name__, structseq.__match_args__[:n])
+    module = structseq.__module__.removeprefix("torch.")
+    name = f"torchjax.{module}.{structseq.__qualname__}"
+    return _for_export(cls, name, jax.export.register_namedtuple_serialization)
 
 
 def write_output(dst: torch.Tensor, value: torch.Tensor, where: str) -> None:
