@@ -791,3 +791,32 @@ def test_an_op_torch_cannot_differentiate_still_lowers():
     x = (rng.standard_normal(4) + 1j * rng.standard_normal(4)).astype(np.complex64)
     got = torchjax.to_jax(torch.nn.functional.silu, lowering="xla")(x)
     np.testing.assert_allclose(got, torch.nn.functional.silu(_t(x)).numpy(), rtol=1e-5)
+
+
+def test_vector_norm_lowers_with_torchs_derivatives_at_zero():
+    # At a zero row (or entry) torch's derivative is the subgradient 0, where JAX
+    # differentiating the norm's formula gives NaN, inf or 1, so the op ran as a callback,
+    # which kept jax.export from code with norms (rotations, distances).
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    x[0] = 0
+    x[1, :2] = 2.0
+    t = rng.standard_normal((3, 4)).astype(np.float32)
+    norms = [
+        lambda x: x.norm(dim=1),
+        lambda x: torch.linalg.vector_norm(x, ord=float("inf"), dim=1),
+        lambda x: torch.linalg.vector_norm(x, ord=0.5, dim=1, keepdim=True),
+        lambda x: torch.linalg.vector_norm(x, ord=3, dim=1, dtype=torch.float64),
+    ]
+    for norm in norms:
+        f = torchjax.to_jax(norm, lowering="xla")
+        got = jax.grad(lambda x, f=f: f(x).sum())(x)
+        ref = _torch_grad(lambda x, norm=norm: norm(x).sum(), x)[0]
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+        _, tangent = jax.jvp(f, (x,), (t,))
+        _, ref = torch.func.jvp(norm, (_t(x),), (_t(t),))
+        np.testing.assert_allclose(tangent, ref.numpy(), rtol=1e-5, atol=1e-6)
+        assert torchjax.lowering_report(norm, x).fully_lowered
+    report = torchjax.lowering_report(lambda x: x.norm(), x)
+    assert report.fully_lowered and report.exportable, str(report)
+    f = torchjax.to_jax(lambda x: x.norm(), lowering="xla")
+    assert jax.export.export(jax.jit(f))(x).serialize()

@@ -15,7 +15,6 @@ CALLBACK_OPS: frozenset[str] = frozenset(
         # polynomials have no derivative: their outputs get a stop_gradient, as torch gives.)
         "aten.polygamma.default",
         "aten.digamma.default",
-        "aten.nextafter.default",  # JAX has no derivative rule for nextafter
         # Linear algebra: derivatives that differ from torch's (eigh's, pinv's at
         # rank-deficient or Hermitian inputs, cholesky_ex's and ldl_factor_ex's info
         # outputs), a householder_product without derivative rules.
@@ -24,7 +23,6 @@ CALLBACK_OPS: frozenset[str] = frozenset(
         "aten.linalg_cholesky_ex.default",
         "aten.linalg_ldl_factor_ex.default",
         "aten.linalg_householder_product.default",
-        "aten.linalg_vector_norm.default",  # its derivative at zero differs from torch's
         # Reductions and scatters: values or gradients that differ from torch's.
         "aten.max_pool2d_with_indices_backward.default",
         "aten.scatter_reduce.two",

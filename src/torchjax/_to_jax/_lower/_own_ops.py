@@ -1,8 +1,11 @@
-# The ops whose torch decomposition JAX differentiates otherwise than torch does (the OpInfo
-# sweep, make conformance, found each): the decompositions keep them whole. Those whose JAX
-# form is a few lines get a lowering of our own, used before the op table's.
+# The ops whose torch decomposition, or the op table's lowering, JAX differentiates otherwise
+# than torch does (the OpInfo sweep, make conformance, found each): the decompositions keep
+# them whole. Those whose JAX form is a few lines get a lowering of our own, used before the
+# op table's.
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -29,9 +32,98 @@ def _log_ndtr(x: Any) -> Any:
     return jax.scipy.special.log_ndtr(x)
 
 
+def _linalg_vector_norm(
+    x: Any, ord: float = 2, dim: Any = None, keepdim: bool = False, dtype: Any = None
+) -> Any:
+    """torch.linalg.vector_norm with torch's derivatives. JAX differentiates the norm's
+    formula, which at a zero (of the norm, or of an entry) gives NaN or inf, or 1 for |x|'s
+    derivative at 0; torch's rules (norm_jvp in FunctionsManual.cpp) give the subgradient 0
+    there. Those rules, written in differentiable JAX ops, are the jvp: its transpose gives
+    the vjp, and its own derivatives the second order."""
+    if dtype is not None:  # torch casts the input first; the result is its real counterpart
+        x = x.astype(canonical_jax_dtype(dtype))
+    # dim=None and dim=[] both reduce every axis; a 0-d tensor's dim 0 or -1 reduces none.
+    dim = [dim] if isinstance(dim, int) else dim
+    axes = tuple(sorted({d % x.ndim for d in dim})) if dim and x.ndim else None
+    return _vector_norm(x, float(ord), axes, bool(keepdim))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _vector_norm(x: Any, ord: float, axes: tuple[int, ...] | None, keepdim: bool) -> Any:
+    a = jnp.abs(x)
+    total = functools.partial(jnp.sum, axis=axes, keepdims=keepdim)
+    if ord == 0:  # the count of nonzero entries
+        return total((x != 0).astype(a.dtype))
+    if ord == math.inf:
+        return jnp.max(a, axis=axes, keepdims=keepdim)
+    if ord == -math.inf:
+        return jnp.min(a, axis=axes, keepdims=keepdim)
+    if ord == 1:
+        return total(a)
+    if ord == 2:
+        return jnp.sqrt(total(a * a))
+    return total(a**ord) ** (1 / ord)
+
+
+@_vector_norm.defjvp
+def _vector_norm_jvp(ord: float, axes: Any, keepdim: bool, primals: Any, tangents: Any) -> Any:
+    """torch's norm_jvp, case by case. The tangent is `total(coef * dot(t))` scaled: the
+    coefficients depend on x alone, so the rule is linear in t (JAX transposes it), and
+    each division is by a value made safe where torch masks the result to 0 (a `where` on
+    the result alone would pass NaN to the derivatives of this rule)."""
+    (x,), (t,) = primals, tangents
+    norm = _vector_norm(x, ord, axes, keepdim)  # differentiated by this rule again
+    if ord == 0:
+        return norm, jnp.zeros_like(norm)
+    total = functools.partial(jnp.sum, axis=axes, keepdims=keepdim)
+    complex_ = jnp.iscomplexobj(x)
+
+    def dot(u: Any) -> Any:  # Re(u conj(t)): the derivative of |x| along t is dot(sgn x)
+        return jnp.real(u * jnp.conj(t)) if complex_ else u * t
+
+    a = jnp.abs(x)
+    zero = a == 0
+    safe_a = jnp.where(zero, 1, a)
+    # sgn: x / |x|, 0 at 0. (jnp.sign of a complex x has no derivative: torch's sgn has.)
+    sgn = jnp.where(zero, 0, x / safe_a) if complex_ else jnp.sign(x)
+    empty = norm == 0
+    safe_norm = jnp.where(empty, 1, norm)
+    if ord == 1:
+        return norm, total(dot(sgn))
+    if ord == 2:
+        return norm, total(dot(x)) * jnp.where(empty, 0, 1 / safe_norm)
+    if math.isinf(ord):  # split evenly among the entries at the max (min), NaNs included
+        expanded = norm if keepdim else jnp.expand_dims(norm, axes or tuple(range(x.ndim)))
+        at = ((a == expanded) | (jnp.isnan(x) & jnp.isnan(expanded))).astype(norm.dtype)
+        return norm, total(dot(sgn) * at / jnp.sum(at, axis=axes, keepdims=True))
+    if ord < 1:  # p < 1, negative p too: a zero entry contributes 0, not inf
+        coef = jnp.where(zero, 0, safe_a ** (ord - 1))
+        return norm, total(coef * dot(sgn)) * norm ** (1 - ord)
+    if ord < 2:
+        tangent = total(a ** (ord - 1) * dot(sgn))
+    else:
+        tangent = total(a ** (ord - 2) * dot(x))
+    return norm, tangent * jnp.where(empty, 0, 1 / safe_norm ** (ord - 1))
+
+
+@jax.custom_jvp
+def _nextafter(x: Any, other: Any) -> Any:
+    """nextafter with torch's derivative, which JAX has none of: 1 along x, 0 along other
+    (the step to the next float is a constant almost everywhere)."""
+    return jnp.nextafter(x, other)
+
+
+@_nextafter.defjvp
+def _nextafter_jvp(primals: Any, tangents: Any) -> Any:
+    out = _nextafter(*primals)
+    return out, jnp.broadcast_to(tangents[0], out.shape).astype(out.dtype)
+
+
 OWN_LOWERINGS: dict[str, Callable[..., Any]] = {
     "aten._safe_softmax.default": _safe_softmax,
     "aten.special_log_ndtr.default": _log_ndtr,
+    "aten.linalg_vector_norm.default": _linalg_vector_norm,
+    "aten.nextafter.default": _nextafter,
 }
 
 
