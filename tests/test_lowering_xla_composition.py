@@ -273,3 +273,36 @@ def test_int32_indices_reach_torch_as_int64_as_on_the_callback_path():
     idx = np.array([3, 1], dtype=np.int32)
     _close(f(_X, idx), _X[[3, 1]].sum(0))
     assert seen and set(seen) == {torch.int64}
+
+
+@torch.library.custom_op("torchjax_composition::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:  # an op the op table cannot know
+    return x * 2
+
+
+@_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_callback_at_symbolic_shapes_is_refused_naming_the_op_and_reported():
+    f = torchjax.to_jax(lambda x: _twice(x)[:, :2] + 1, lowering="xla")
+    spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 4"), jnp.float32)
+    with pytest.raises(LoweringError, match=r"(?s)torchjax_composition.twice.* symbolic"):
+        jax.export.export(jax.jit(f))(spec)
+    report = torchjax.lowering_report(f, spec)
+    assert not report.exportable
+    assert [r.op for r in report.callbacks] == ["torchjax_composition.twice.default"]
+    # at concrete shapes it runs, as a callback
+    _close(f(np.ones((3, 4), np.float32)), np.full((3, 2), 3.0))
+
+
+def test_slice_assignment_exports_at_a_symbolic_batch():
+    f = torchjax.to_jax(_slice_assignment, lowering="xla")
+    spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 3"), jnp.float32)
+    exported = jax.export.export(jax.jit(f))(spec)
+    served = jax.export.deserialize(exported.serialize())
+    for n in (2, 5):
+        x = np.linspace(-1, 1, 3 * n, dtype=np.float32).reshape(n, 3)
+        _close(served.call(x), _slice_assignment(torch.tensor(x)))
+    assert torchjax.lowering_report(f, spec).exportable

@@ -119,7 +119,33 @@ def _nextafter_jvp(primals: Any, tangents: Any) -> Any:
     return out, jnp.broadcast_to(tangents[0], out.shape).astype(out.dtype)
 
 
+_OPEN_END = 2**62  # torch writes an open slice end as 2**63 - 1
+
+
+def _slice_scatter(
+    x: Any, src: Any, dim: int = 0, start: Any = None, end: Any = None, step: int = 1
+) -> Any:
+    """slice_scatter at any size, symbolic ones (jax.export's) included. `x[:, 1:] = v`
+    captures as a slice_scatter over the whole first axis, ending at 2**63 - 1: the op
+    table's lowering hands that to JAX's indexing, which cannot compare it with a symbolic
+    size (the op then fell back to a callback, which takes no symbolic size). Here an open
+    end is the axis's size, and a negative bound counts from it, as in torch."""
+    dim = dim % x.ndim
+    size = x.shape[dim]
+    start = 0 if start is None else start
+    end = size if end is None or (isinstance(end, int) and end >= _OPEN_END) else end
+    if isinstance(start, int) and start < 0:
+        start += size
+    if isinstance(end, int) and end < 0:
+        end += size
+    if isinstance(size, int) and isinstance(end, int):
+        end = min(end, size)
+    index = tuple(slice(start, end, step) if i == dim else slice(None) for i in range(x.ndim))
+    return x.at[index].set(src.astype(x.dtype))
+
+
 OWN_LOWERINGS: dict[str, Callable[..., Any]] = {
+    "aten.slice_scatter.default": _slice_scatter,
     "aten._safe_softmax.default": _safe_softmax,
     "aten.special_log_ndtr.default": _log_ndtr,
     "aten.linalg_vector_norm.default": _linalg_vector_norm,

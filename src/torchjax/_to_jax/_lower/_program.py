@@ -55,6 +55,18 @@ per-op callback can carry that tensor. Rewrite it with fixed shapes (`x[x > 0].s
 whole function in torch: eagerly as it is, and under jit with its outputs declared
 (to_jax(fn, result_shape_dtypes=...)) where their shapes do not follow from a fake run."""
 
+_SYMBOLIC = """\
+lowering="xla": {op} in {name} runs as a torch callback ({why}), and a torch callback
+needs concrete sizes: it cannot take the symbolic shapes {shapes} (jax.export.symbolic_shape).
+Export at concrete shapes, or make the op lower: torchjax.lowering_report(fn, *example_args)
+at concrete shapes lists each op that runs as a callback and why."""
+
+
+class SymbolicCallback(LoweringError):
+    """A graph node that would run as a torch callback at symbolic shapes (jax.export's):
+    the routes up to it are known, and lowering_report reports them."""
+
+
 _NOT_STRIDED = """\
 lowering="xla": {name} makes a {layout} tensor ({op}). JAX arrays are dense, so neither a
 lowering nor a per-op callback can carry it between ops. Use lowering="callback" (the
@@ -239,6 +251,14 @@ class Program:
         self.routes[node.name] = Route(node.name, name, False, why)
         # (torch.fx's immutable containers are leaves to JAX: plain ones are its pytrees)
         args, kwargs = _plain((args, kwargs))
+        shapes = [
+            tuple(a.shape)
+            for a in jax.tree_util.tree_leaves((args, kwargs))
+            if hasattr(a, "shape") and not all(isinstance(d, int) for d in a.shape)
+        ]
+        if shapes:
+            shown = ", ".join(str(s).replace("'", "") for s in shapes[:3])
+            raise SymbolicCallback(_SYMBOLIC.format(name=self.name, op=name, why=why, shapes=shown))
         return self.callback(target)(*args, **kwargs)
 
 

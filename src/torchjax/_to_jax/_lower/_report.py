@@ -12,6 +12,7 @@ import torch
 
 from torchjax._convert import canonical_jax_dtype, is_array
 from torchjax._to_jax._lower._lowered import Lowered
+from torchjax._to_jax._lower._program import SymbolicCallback
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +113,11 @@ def report(
         return call(*a, **k)
 
     structs = [leaves[i] for i in slots]
-    jax.eval_shape(on_arrays, *structs)
+    symbolic = None
+    try:
+        jax.eval_shape(on_arrays, *structs)
+    except SymbolicCallback as error:  # (an op that cannot lower at symbolic shapes)
+        symbolic = str(error).splitlines()[0]
     counts: collections.Counter = collections.Counter()
     narrowed: set[str] = set()
     functions: set[str] = set()
@@ -128,11 +133,15 @@ def report(
             counts.items(), key=lambda kv: (not kv[0][1], kv[0][0])
         )
     )
-    try:
-        jax.export.export(jax.jit(on_arrays))(*structs).serialize()
-        exportable, error = True, None
-    except Exception as e:  # what jax.export says, first line: a host callback, say
-        exportable, error = False, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+    if symbolic is not None:
+        exportable, error = False, symbolic
+    else:
+        try:
+            jax.export.export(jax.jit(on_arrays))(*structs).serialize()
+            exportable, error = True, None
+        except Exception as e:  # what jax.export says, first line: a host callback, say
+            first = str(e).strip().splitlines()[0][:200]
+            exportable, error = False, f"{type(e).__name__}: {first}"
     return LoweringReport(
         name, ops, exportable, error, tuple(sorted(narrowed)), tuple(sorted(functions))
     )
