@@ -210,6 +210,10 @@ class FakeRunState:
         self.snapshots, self.caches = found.snapshots, found.caches
         self.sizes = [_cache_size(c) for c in self.caches]
         self.made: list[weakref.ref] = []
+        # ids of the objects that hold the run's fake tensors by right (lowering="xla"'s
+        # captured program: its nodes' types): a tensor only they hold is no leftover,
+        # and they are neither taken back from nor named
+        self.held: set[int] = set()
 
     def track(self, t: torch.Tensor) -> None:
         if is_fake(t):  # real tensors made meanwhile (a copy made for real) are not traces
@@ -229,10 +233,16 @@ class FakeRunState:
             if _cache_size(cache) != size:
                 cache.cache_clear()
 
-    def check_left_behind(self, after: BaseException | None = None) -> None:
-        """Take back fake tensors that outlive the run where that is safe; raise for any
-        other. Call after the run's own references to its tensors are gone; `after`: the
-        exception a failed run raised (the error then names it, and is raised from it)."""
+    def check_left_behind(
+        self,
+        after: BaseException | None = None,
+        message: str = LEFT_BEHIND,
+        error: type[Exception] = ShapeInferenceError,
+    ) -> None:
+        """Take back fake tensors that outlive the run where that is safe; raise `error`
+        with `message` (formatted with the name and the holder) for any other. Call after
+        the run's own references to its tensors are gone; `after`: the exception a failed
+        run raised (the error then names it, and is raised from it)."""
         if self._first_alive() is None:
             return
         gc.collect()  # what only a reference cycle kept goes now
@@ -242,16 +252,16 @@ class FakeRunState:
             return  # only the failure holds them (see _reach_state): they go with it
         self.clear_grown_caches()
         for ref in self.made:
-            _take_back(ref)
+            _take_back(ref, self.held)
         t = self._first_alive() if after is None else self._first_held()
         if t is not None:
-            holder = _describe(t)
+            holder = _describe(t, self.held)
             del t
-            text = LEFT_BEHIND.format(name=self.name, holder=holder)
+            text = message.format(name=self.name, holder=holder)
             if after is None:
-                raise ShapeInferenceError(text)
+                raise error(text)
             failed = f"{type(after).__name__}: {after}".split("\n")[0]
-            raise ShapeInferenceError(f"{text}\n(The fake run had failed: {failed})") from after
+            raise error(f"{text}\n(The fake run had failed: {failed})") from after
 
     def _first_held(self) -> torch.Tensor | None:
         """_first_alive for a failed run: the first tensor that state holds, not only the
@@ -264,7 +274,7 @@ class FakeRunState:
     def _first_alive(self) -> torch.Tensor | None:
         for r in self.made:
             t = r()
-            if t is not None:
+            if t is not None and (not self.held or _held_elsewhere(t, self.held)):
                 return t
         return None
 
@@ -299,7 +309,14 @@ def _reach_state(tensors: list, levels: int = 8, budget: int = 20_000) -> bool:
     return False
 
 
-def _take_back(ref: weakref.ref) -> None:
+def _held_elsewhere(t: Any, held: set[int]) -> bool:
+    """Whether something outside `held` (and the frames of running code) holds `t`."""
+    return any(
+        id(r) not in held and not isinstance(r, types.FrameType) for r in gc.get_referrers(t)
+    )
+
+
+def _take_back(ref: weakref.ref, held: set[int] = frozenset()) -> None:  # type: ignore[assignment]
     """Drop the holds on a fake tensor that can go without harm: an lru_cache's (cleared:
     it is a cache), and a plain dict's entry (a cache keyed by the run's objects, such as
     torch.nn.utils.parametrize.cached's), which the run itself made or overwrote with
@@ -311,6 +328,8 @@ def _take_back(ref: weakref.ref) -> None:
         if is_lru_cache(holder):
             holder.cache_clear()
     for r in gc.get_referrers(t):
+        if id(r) in held:
+            continue
         if type(r) in (dict, collections.OrderedDict) and not _is_namespace(r):
             for k in _keys_of(r, t):
                 del r[k]
@@ -376,10 +395,11 @@ def _dict_named(d: dict) -> str:
     return "a dict"
 
 
-def _describe(t: Any) -> str:
-    """Words for what holds `t`: an object's attribute, a global, a container, an object."""
+def _describe(t: Any, held: set[int] = frozenset()) -> str:  # type: ignore[assignment]
+    """Words for what holds `t` (but the objects in `held`): an object's attribute, a
+    global, a container, an object."""
     for r in gc.get_referrers(t):
-        if isinstance(r, types.FrameType):
+        if isinstance(r, types.FrameType) or id(r) in held:
             continue
         if isinstance(r, dict):
             keys = _keys_of(r, t)

@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import traceback
+import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +16,7 @@ import jax
 import numpy as np
 import torch
 
-from torchjax._compat._torch import is_op_overload, op_schema
+from torchjax._compat._torch import is_fake, is_op_overload, op_schema
 from torchjax._convert import torch_dtype
 from torchjax._errors import LoweringError, TorchJaxError
 from torchjax._to_jax._call._outputs import as_jax_tree
@@ -54,6 +57,7 @@ class Captured:
     out_tree: Any = None
     constants: dict = dataclasses.field(default_factory=dict)  # leaf index -> value
     n_tensors: int = 0
+    fake_mode: Any = None  # the capture's: what it made and left behind is found by it
     # the torch.autograd.Function classes the run applied: torch.export keeps their
     # forward's ops and drops their backward
     autograd_functions: list = dataclasses.field(default_factory=list)
@@ -69,6 +73,8 @@ class _Flat(torch.nn.Module):
         self.template, self.captured = template, captured
 
     def forward(self, tensors: list) -> tuple:
+        # (not on self: torch.export puts back the attributes its run sets on a module)
+        self.captured.fake_mode = next((t.fake_mode for t in tensors if _is_fake(t, None)), None)
         it = iter(tensors)
         leaves = [next(it) if is_slot else leaf for is_slot, leaf in self.template]
         args, kwargs = _tree.tree_unflatten(self.in_tree, leaves)
@@ -145,26 +151,29 @@ def capture(
     touched = FakeRunState(fn, name)
     functions = AutogradFunctions()
     try:
-        # (enable_grad: the grad mode plain torch code runs in)
-        with FAKE_RUN_LOCK, torch.enable_grad(), warnings.catch_warnings():
-            # torch.export's own pytree deprecation notice, about its internals, not user code.
-            warnings.filterwarnings("ignore", _TREESPEC_NOTICE, FutureWarning)
-            with functions:
-                program = _export(flat, tensors, dynamic)
+        try:
+            # (enable_grad: the grad mode plain torch code runs in)
+            with FAKE_RUN_LOCK, torch.enable_grad(), warnings.catch_warnings():
+                # torch.export's own pytree deprecation notice, about its internals.
+                warnings.filterwarnings("ignore", _TREESPEC_NOTICE, FutureWarning)
+                with functions:
+                    program = _export(flat, tensors, dynamic)
+        finally:
+            touched.restore()
+            touched.clear_grown_caches()  # a cache filled on first use holds a fake tensor
         captured.autograd_functions = [f.__qualname__ for f in functions.found]
     except TorchJaxError:
         raise
     except Exception as error:
+        _take_back_fakes(captured.fake_mode, None, touched, after=error)
         if _raised_by_user(error):
             raise  # the user's own exception (an input check, say) stays theirs
         if functions.derivatives:
             raise LoweringError(_derivative_inside(name, functions.derivatives)) from error
         raise LoweringError(_not_captured(name, error)) from error
-    finally:
-        touched.restore()
-        touched.clear_grown_caches()  # a cache filled on first use holds a fake tensor now
     if functions.derivatives:
         raise LoweringError(_derivative_inside(name, functions.derivatives))
+    _take_back_fakes(captured.fake_mode, program, touched)
     try:
         mark_stop_gradients(program.graph_module, name)
         return _decomposed(program, table), captured
@@ -172,6 +181,63 @@ def capture(
         raise
     except Exception as error:  # torch's own failure replaying the graph it captured
         raise LoweringError(_NOT_DECOMPOSED.format(name=name, error=_first_lines(error))) from error
+
+
+_LEFT_BEHIND = """\
+lowering="xla": torch.export ran {name} on tensors without data to capture it, and the run
+left one in {holder}, which outlives the capture: a later call, in JAX or in plain torch,
+would read it as garbage. torchjax puts back the state of the modules it can reach from the
+function and clears lru_caches; this holder it could not reach. That object now holds a
+tensor without data: rebuild it. Make the state an input of the function, or fill it before
+the first lowered call, or use lowering="callback" (the default), whose eager calls run on
+real tensors."""
+
+
+def _take_back_fakes(
+    mode: Any,
+    program: torch.export.ExportedProgram | None,
+    touched: FakeRunState,
+    after: BaseException | None = None,
+) -> None:
+    """Take back the fake tensors (of `mode`, the capture's) the capture's run left in the
+    function's state (a store filled on first use, keyed by a tensor made there:
+    pyro.param's), as after a fake run (_fake/_isolation.py), or refuse naming the holder.
+    What the program holds (its nodes' types, torch.export's records of its fake inputs)
+    is not the run's leftovers; `after`: the failure of a capture that made no program."""
+    if mode is None:
+        return
+    with warnings.catch_warnings():  # (isinstance on torch's deprecated module proxies)
+        warnings.simplefilter("ignore")
+        touched.held = _held_by(program) if program is not None else set()
+        touched.made = [weakref.ref(o) for o in gc.get_objects() if _is_fake(o, mode)]
+    touched.check_left_behind(after, message=_LEFT_BEHIND, error=LoweringError)
+    touched.held = set()
+
+
+def _is_fake(o: Any, mode: Any) -> bool:
+    """Whether `o` is a fake tensor (of `mode`, this capture's, unless None)."""
+    if not isinstance(o, torch.Tensor) or not is_fake(o):
+        return False
+    return mode is None or getattr(o, "fake_mode", None) is mode
+
+
+# Where a walk of the program's own objects stops: code and namespaces lead to everything.
+_NOT_WALKED = (type, types.ModuleType, types.FunctionType, types.MethodType, types.CodeType)
+
+
+def _held_by(root: Any) -> set[int]:
+    """The ids of the objects `root` holds (gc's referents, breadth first), but through
+    functions, classes and modules."""
+    seen = {id(root)}
+    frontier = [root]
+    while frontier:
+        nxt = []
+        for o in gc.get_referents(*frontier):
+            if id(o) not in seen and not isinstance(o, _NOT_WALKED):
+                seen.add(id(o))
+                nxt.append(o)
+        frontier = nxt
+    return seen
 
 
 def _decomposed(
