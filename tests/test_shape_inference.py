@@ -453,3 +453,54 @@ def test_symbolic_dimensions_get_torchjaxs_own_error_naming_the_fix(declared):
     # What it advises: a concrete shape.
     got = jax.eval_shape(f, jax.ShapeDtypeStruct((8, 3), jnp.float32))
     assert (got.shape, got.dtype) == ((8, 3), jnp.float32)
+
+
+# -- a plain eager call's types serve a later jit of its signature (issue 57) --------------
+def _default_log_prob(mu, x):  # validate_args by default: reads mu's and x's values
+    return torch.distributions.Normal(mu, torch.ones_like(mu)).log_prob(x).sum()
+
+
+@pytest.fixture
+def default_validation():
+    """torch.distributions' default, validation on, as in a fresh process: torch.compile
+    (an earlier test's) turns it off for the whole process."""
+    before = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(True)
+    yield
+    torch.distributions.Distribution.set_default_validate_args(before)
+
+
+@pytest.mark.usefixtures("default_validation")
+def test_jit_after_a_plain_eager_call_takes_the_types_of_its_real_run():
+    f = torchjax.to_jax(_default_log_prob)
+    eager = f(jnp.zeros(5), jnp.linspace(-1, 1, 5))  # a plain eager call: a real run
+    tree_close(eager, _default_log_prob(torch.zeros(5), torch.linspace(-1, 1, 5)))
+    # Another value of the same signature under jit: the eager call's types serve, though
+    # jnp.full's array carries a weak type that jnp.zeros' lacks (torch sees float32 both).
+    mu, x = jnp.full(5, 0.3), jnp.linspace(-2, 2, 5)
+    assert jax.typeof(mu).weak_type and not jax.typeof(jnp.zeros(5)).weak_type
+    want = torch.distributions.Normal(_t(mu), torch.ones(5)).log_prob(_t(x)).sum()
+    tree_close(jax.jit(f)(mu, x), want)
+    tree_close(jax.jit(f)(jnp.zeros(5) + 0.3, x), want)  # without the weak type too
+    # and derived functions under jit, whose types follow from the function's
+    mu_t = _t(mu).requires_grad_()
+    (want_grad,) = torch.autograd.grad(
+        torch.distributions.Normal(mu_t, torch.ones(5)).log_prob(_t(x)).sum(), mu_t
+    )
+    tree_close(jax.jit(jax.grad(f))(mu, x), want_grad)
+
+
+@pytest.mark.usefixtures("default_validation")
+def test_jit_of_another_shape_than_the_eager_call_still_asks_for_declared_types():
+    f = torchjax.to_jax(_default_log_prob)
+    f(jnp.zeros(5), jnp.linspace(-1, 1, 5))
+    with pytest.raises(ShapeInferenceError) as info:
+        jax.jit(f)(jnp.full(4, 0.3), jnp.linspace(-2, 2, 4))  # a shape no real run had
+    text = str(info.value)
+    assert "It read a value at torch/distributions/distribution.py" in text
+    assert "call the function once eagerly" in text and "result_shape_dtypes" in text
+    f(jnp.zeros(4), jnp.linspace(-1, 1, 4))  # the fix it names: an eager call of that shape
+    want = torch.distributions.Normal(torch.full((4,), 0.3), torch.ones(4)).log_prob(
+        torch.linspace(-2, 2, 4)
+    )
+    tree_close(jax.jit(f)(jnp.full(4, 0.3), jnp.linspace(-2, 2, 4)), want.sum())

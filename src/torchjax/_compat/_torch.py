@@ -518,6 +518,9 @@ private("torch.nn.Module()._modules")
 module_parameters = operator.attrgetter("_parameters")
 module_buffers = operator.attrgetter("_buffers")
 module_children = operator.attrgetter("_modules")
+# What a TorchScript module caches in its Python __dict__ the first time a method of its
+# compiled code is looked up (RecursiveScriptModule.__getattr__): a cache, not state.
+ScriptMethod = private("torch._C.ScriptMethod")
 
 # The in-place guard (_call/_guard.py, _call/_plan.py, _torch_call/_lowering.py): dispatch
 # modes, and who

@@ -13,7 +13,10 @@
 # tensors, run, and given back reset to the template's Python state. A copy that a
 # backward may still read is held, not given back, until that backward is done
 # (_residual.hold). Fake runs get a fresh copy of their own, thrown away after, so that no
-# FakeTensor can reach a later call.
+# FakeTensor can reach a later call. A TorchScript submodule's slots are TorchScript's own
+# tables (set through them, as torch.func.functional_call does). Its deepcopy ignores the
+# memo and cannot copy a placeholder: the template's hold plain meta tensors there, and each
+# copy has its placeholders installed after it is made.
 from __future__ import annotations
 
 import collections
@@ -74,6 +77,17 @@ def _slot_names(module: torch.nn.Module, named: Any) -> list[tuple[str, str, str
     return names
 
 
+def _slot_tables(module: torch.nn.Module, param_names: list, buffer_names: list) -> list:
+    """(table, key) for every slot of `module` named in `param_names` and `buffer_names`
+    (see _slot_names), parameters first: the dict (or TorchScript's table) it sits in."""
+    owners = dict(module.named_modules(remove_duplicate=False))
+    return [
+        (table(owners[owner]), key)
+        for table, names in ((module_parameters, param_names), (module_buffers, buffer_names))
+        for owner, key, _ in names
+    ]
+
+
 def _buffers(names: list, lacking: bool = False) -> str:
     """ "a buffer" or "3 buffers" (that variables lacks)."""
     counted = "a buffer" if len(names) == 1 else f"{len(names)} buffers"
@@ -91,16 +105,11 @@ class ModuleCopy(HeldState):
     def __init__(self, pool: CopyPool, module: torch.nn.Module):
         self.pool, self.module = pool, module
         self.runner = pool.wrap(module)  # a torch.compile'd module runs compiled
-        owners = dict(module.named_modules(remove_duplicate=False))
-        self.slots = [
-            (d(owners[owner]), key)
-            for d, names in (
-                (module_parameters, pool.param_names),
-                (module_buffers, pool.buffer_names),
-            )
-            for owner, key, _ in names
-        ]
-        self.placeholders = [d[key] for d, key in self.slots]
+        self.slots = _slot_tables(module, pool.param_names, pool.buffer_names)
+        self.placeholders = pool.placeholders
+        for (d, key), empty in zip(self.slots, self.placeholders, strict=True):
+            if d[key] is not empty:  # a TorchScript submodule's copy of the template's
+                d[key] = empty
         self._dicts = [d for d, _ in self.slots]
         self._keys = [key for _, key in self.slots]
         self.snapshot = ModulesSnapshot(module, self.placeholders)
@@ -162,9 +171,12 @@ class ModuleCopy(HeldState):
 class CopyPool:
     """Copies of one template module, made on demand and reused; thread-safe."""
 
-    def __init__(self, template: torch.nn.Module, compiled: Any, param_names, buffer_names):
+    def __init__(
+        self, template: torch.nn.Module, compiled: Any, param_names, buffer_names, placeholders
+    ):
         self.template, self.compiled = template, compiled
         self.param_names, self.buffer_names = param_names, buffer_names
+        self.placeholders = placeholders  # what every copy's slots hold between calls
         self._free: list[ModuleCopy] = []
         self._lock = threading.Lock()
 
@@ -263,7 +275,19 @@ class ModuleState:
             raise VariablesError(
                 _COPY_FAILED.format(name=type(module).__name__, error=f"{type(e).__name__}: {e}")
             ) from e
-        self.pool = CopyPool(template, compiled, param_names, buffer_names)
+        # A TorchScript submodule's deepcopy copied the user's tensors (it ignores the
+        # memo), and would fail on a placeholder: its slots in the template hold meta
+        # tensors instead, and each copy's get the placeholders (ModuleCopy).
+        theirs = _slot_tables(module, param_names, buffer_names)
+        empties = []
+        for (d, key), (user_d, user_key) in zip(
+            _slot_tables(template, param_names, buffer_names), theirs, strict=True
+        ):
+            empty = placeholders[id(user_d[user_key])]
+            empties.append(empty)
+            if d[key] is not empty:
+                d[key] = torch.empty(empty.shape, dtype=empty.dtype, device="meta")
+        self.pool = CopyPool(template, compiled, param_names, buffer_names, empties)
         self.warned: set[str] = set()
         # Buffer name -> the other shapes mutable=True calls returned for it (see check).
         self.grown: dict[str, set[tuple]] = {}
@@ -410,6 +434,7 @@ class _OneUse:
 
     def __init__(self, pool: CopyPool):
         self.param_names, self.buffer_names = pool.param_names, pool.buffer_names
+        self.placeholders = pool.placeholders
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
         return module

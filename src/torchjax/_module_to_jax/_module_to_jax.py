@@ -55,13 +55,17 @@ __all__ = ["module_to_jax"]
 
 _tree = jax.tree_util
 
+# As torch.func.functional_call: a TorchScript module at the top is refused ("can't be used
+# with Jitted modules"), one below it gets each call's tensors set in TorchScript's tables
+# (e3nn's compiled tensor products are such submodules).
 _SCRIPTED = """\
-module_to_jax({name}): {what} a TorchScript module (torch.jit.script or torch.jit.trace),
-which keeps its parameters in TorchScript's own tables: module_to_jax cannot give each call
-its arrays. Pass the module before scripting it, or wrap the scripted module as a function,
-with its parameters closed over:
+module_to_jax({name}): it is a TorchScript module (torch.jit.script or torch.jit.trace).
+Like torch.func.functional_call, module_to_jax gives a call's arrays to TorchScript
+submodules, not to a TorchScript module at the top. Pass the module before scripting it,
+hold the scripted one in a plain nn.Module (as a submodule: self.net = scripted), or wrap it
+as a function, with its parameters closed over:
 
-    f = torchjax.to_jax(lambda x: {call}(x))"""
+    f = torchjax.to_jax(lambda x: scripted(x))"""
 
 _NOT_VARIABLES = (
     "variables must be the mapping {{'params': ..., 'buffers': ...}} returned by "
@@ -417,8 +421,8 @@ def module_to_jax(
       module as it is then; unpickling runs module_to_jax on it again).
 
     Raises:
-      ArgumentError: `module` is not an ``nn.Module``, is a TorchScript module or holds one,
-        or an option is not one of its choices.
+      ArgumentError: `module` is not an ``nn.Module``, is a TorchScript module (one among
+        its submodules is fine), or an option is not one of its choices.
       VariablesError: (from apply) ``variables`` lacks a group, or a name or shape differs
         from the module's.
 
@@ -436,15 +440,7 @@ def module_to_jax(
             f"function of tensors use torchjax.to_jax."
         )
     if isinstance(module, torch.jit.ScriptModule):
-        raise ArgumentError(
-            _SCRIPTED.format(name=module.original_name, what="it is", call="scripted")
-        )
-    for path, m in module.named_modules():
-        if isinstance(m, torch.jit.ScriptModule):
-            what = f"its submodule {path!r} is"
-            raise ArgumentError(
-                _SCRIPTED.format(name=type(module).__name__, what=what, call="model")
-            )
+        raise ArgumentError(_SCRIPTED.format(name=module.original_name))
     _refuse_lazy(module)
     options = {
         "vmap_method": vmap_method,

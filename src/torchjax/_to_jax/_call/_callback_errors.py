@@ -21,11 +21,11 @@ import os
 
 from torchjax._compat._jax import JAX_SOURCE_DIR
 
-_HIDDEN = (
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    + os.sep,  # torchjax's own
-    JAX_SOURCE_DIR,  # jax's own, hidden eagerly too
-)
+# torchjax's own source: its frames are hidden, and an exception raised in one is
+# torchjax's, never the user's function's (_callables/_base.py).
+_HERE = os.path.abspath(__file__)  # torchjax/_to_jax/_call/_callback_errors.py
+TORCHJAX_DIR = os.path.dirname(os.path.dirname(os.path.dirname(_HERE))) + os.sep
+_HIDDEN = (TORCHJAX_DIR, JAX_SOURCE_DIR)  # jax's own frames are hidden eagerly too
 
 
 class ReportedError(Exception):

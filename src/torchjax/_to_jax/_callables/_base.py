@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -19,6 +20,7 @@ import torch
 
 from torchjax._compat._torch import is_functorch_wrapped
 from torchjax._primitive._params import ARRAY
+from torchjax._to_jax._call._callback_errors import TORCHJAX_DIR
 from torchjax._to_jax._torch_ops._residual import (
     enter_derived_call,
     exit_derived_call,
@@ -164,10 +166,39 @@ class ZerosLike:
 
 
 def _theirs(error: Exception, name: str) -> Exception:
-    note = f"(raised by {name}, called through torchjax)"
+    """`error`, raised while the user's function `name` ran, with a note saying whose it
+    is: the function's (raised in its code, or in torch's), or torchjax's own where the
+    innermost frame of its traceback is in torchjax's source (a step of the call machinery
+    around the function, such as putting back a module's state, failed)."""
+    where = _torchjax_frame(error)
+    if where is None:
+        note = f"(raised by {name}, called through torchjax)"
+    else:
+        note = INTERNAL_NOTE.format(name=name, where=where)
     if note not in getattr(error, "__notes__", ()):
         error.add_note(note)
     return error
+
+
+INTERNAL_NOTE = """\
+(raised inside torchjax, at {where}, while it called {name}: torchjax's own failure, not
+{name}'s. Unless the message above says why (out of memory, say), this is a bug in
+torchjax: please report it, with this traceback.)"""
+
+
+def _torchjax_frame(error: BaseException) -> str | None:
+    """Where the innermost frame of `error`'s traceback is, if in torchjax's own source
+    ("torchjax/_to_jax/_fake/_snapshots.py:95, in restore"); None if elsewhere."""
+    tb = error.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path = tb.tb_frame.f_code.co_filename
+    if not path.startswith(TORCHJAX_DIR):
+        return None
+    where = "torchjax/" + path[len(TORCHJAX_DIR) :].replace(os.sep, "/")
+    return f"{where}:{tb.tb_lineno}, in {tb.tb_frame.f_code.co_name}"
 
 
 def _aval(x: Any) -> Any:

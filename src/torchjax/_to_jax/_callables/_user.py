@@ -48,10 +48,13 @@ _tree = jax.tree_util
 
 # -- the user's function ------------------------------------------------------------------
 def types_key(args: Any) -> tuple:
-    """A call's signature as abstract eval sees it: structure, input types and static
-    leaves, x64, torch's default dtype (a new trace after set_default_dtype finds its
-    types again)."""
+    """A call's signature as torch sees it, whether an eager call or a trace made it:
+    structure, input shapes and dtypes, static leaves, x64, torch's default dtype (a new
+    trace after set_default_dtype finds its types again). An input's weak type is JAX's
+    alone (jnp.full(5, 0.3) has one, jnp.zeros(5) not): torch gets the same tensor, so a
+    real run with one gives the types of a trace with the other."""
     leaves, tree = _tree.tree_flatten(args)
+    leaves = [(x.shape, x.dtype) if isinstance(x, jax.core.ShapedArray) else x for x in leaves]
     return (tree, tuple(leaves), jax.config.jax_enable_x64, torch.get_default_dtype())
 
 

@@ -3,7 +3,11 @@
 # module_to_jax resets each private module copy to its template's state after every call
 # (ModulesSnapshot, checked in C for the whole module tree), and a fake run puts back what
 # it touched in the user's objects (_fake/_isolation.py): a module's whole state, elsewhere
-# only the entries that came to hold a fake tensor.
+# only the entries that came to hold a fake tensor. A TorchScript submodule (e3nn's
+# compiled tensor products, a torch.jit.script'ed layer) keeps its state in TorchScript's
+# own tables, whose entries can be set but never added or removed: its snapshot is of its
+# Python side alone (ScriptedSnapshot), and no snapshot calls a method that a table of
+# TorchScript's lacks.
 from __future__ import annotations
 
 import collections
@@ -16,7 +20,13 @@ from typing import Any
 
 import torch
 
-from torchjax._compat._torch import is_fake, module_buffers, module_children, module_parameters
+from torchjax._compat._torch import (
+    ScriptMethod,
+    is_fake,
+    module_buffers,
+    module_children,
+    module_parameters,
+)
 from torchjax._compat._torch import tensor_version as _version
 from torchjax._to_jax._fake._user_objects import instance_dict, items
 
@@ -86,8 +96,7 @@ class ModuleSnapshot:
         d.clear()
         d.update(self.entries)
         for table, saved in self.tables:
-            table.clear()
-            table.update(saved)
+            _put_back(table, saved)
         for v, saved in self.containers:
             v.clear()
             if isinstance(v, list):
@@ -101,19 +110,82 @@ class ModuleSnapshot:
         self.entries["training"] = mode
 
 
+def _put_back(table: Any, saved: dict) -> None:
+    """Give a module's table of parameters, buffers or submodules the entries `saved`. A
+    dict is refilled; any other mapping (TorchScript's, which sets existing entries and
+    refuses to add or remove one) has its entries set, through the one method it has."""
+    if isinstance(table, dict):
+        table.clear()
+        table.update(saved)
+    else:
+        for k, v in saved.items():
+            table[k] = v
+
+
+class ScriptedSnapshot:
+    """A TorchScript module's snapshot: its Python __dict__. Its parameters, buffers,
+    submodules and attributes live in TorchScript's own tables, whose entries are fixed
+    once it is scripted (new ones are refused): a parameter's or buffer's value is a slot,
+    which callers set themselves (as for ModuleSnapshot), and any other attribute is
+    TorchScript's alone, which its compiled code may change and no snapshot puts back
+    (docs/limitations.md). Its Python side caches each compiled method it is asked for (a
+    ScriptMethod added to __dict__): kept, as a cache, not counted as a change.
+    """
+
+    __slots__ = ("module", "entries")
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.entries = dict(module.__dict__)
+
+    def changed(self) -> bool:
+        d = self.module.__dict__
+        try:
+            if d == self.entries:
+                return False
+        except Exception:
+            return True
+        for k, v in list(d.items()):
+            if k not in self.entries and type(v) is ScriptMethod:
+                self.entries[k] = v  # a method looked up for the first time: TorchScript's cache
+        try:
+            return d != self.entries
+        except Exception:
+            return True
+
+    def restore(self) -> None:
+        d = self.module.__dict__
+        d.clear()
+        d.update(self.entries)
+
+    def set_training(self, mode: bool) -> None:
+        """Set the module's mode (TorchScript keeps it in its own table, not __dict__)."""
+        self.module.training = mode
+
+
+def snapshot_of(module: torch.nn.Module) -> ModuleSnapshot | ScriptedSnapshot:
+    """The snapshot of one module's own state: ScriptedSnapshot for a TorchScript module."""
+    if isinstance(module, torch.jit.ScriptModule):
+        return ScriptedSnapshot(module)
+    return ModuleSnapshot(module)
+
+
 class ModulesSnapshot:
-    """ModuleSnapshots of a module and all its submodules, checked all at once: after every
+    """Snapshots of a module and all its submodules, checked all at once: after every
     module_to_jax call, where nothing changed, a few comparisons in C for the whole tree;
-    and the state below them (NestedState)."""
+    and the state below them (NestedState). A TorchScript submodule's is a ScriptedSnapshot:
+    its tables are TorchScript's, which compare by identity and cost a call into TorchScript
+    to count, so only its __dict__ takes part in the comparisons."""
 
     def __init__(self, module: torch.nn.Module, slots: Any = ()):
-        self.each = [ModuleSnapshot(m) for m in module.modules()]
-        self.nested = NestedState(self.each, {id(t) for t in slots})
-        self._dicts = [s.module.__dict__ for s in self.each] + [s._child_table for s in self.each]
-        self._saved = [s.entries for s in self.each] + [s._saved_children for s in self.each]
-        self._tables = [t for s in self.each for t in (s._param_table, s._buffer_table)]
-        self._sizes = [n for s in self.each for n in s.sizes]
-        self._with_containers = [s for s in self.each if s.containers]
+        self.each = [snapshot_of(m) for m in module.modules()]
+        plain = [s for s in self.each if type(s) is ModuleSnapshot]
+        self.nested = NestedState(plain, {id(t) for t in slots})
+        self._dicts = [s.module.__dict__ for s in self.each] + [s._child_table for s in plain]
+        self._saved = [s.entries for s in self.each] + [s._saved_children for s in plain]
+        self._tables = [t for s in plain for t in (s._param_table, s._buffer_table)]
+        self._sizes = [n for s in plain for n in s.sizes]
+        self._with_containers = [s for s in plain if s.containers]
 
     def restore_changed(self) -> None:
         """Put back the state of every module that changed (see ModuleSnapshot.changed)."""
