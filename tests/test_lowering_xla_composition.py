@@ -306,3 +306,27 @@ def test_slice_assignment_exports_at_a_symbolic_batch():
         x = np.linspace(-1, 1, 3 * n, dtype=np.float32).reshape(n, 3)
         _close(served.call(x), _slice_assignment(torch.tensor(x)))
     assert torchjax.lowering_report(f, spec).exportable
+
+
+def test_a_capture_leaves_no_fake_tensor_in_user_state_and_tolerates_dead_proxies():
+    import weakref
+
+    class Box:
+        pass
+
+    box = Box()
+    dead = [weakref.proxy(box)]  # a proxy whose referent is gone (torch.compile keeps such)
+    del box
+    names: dict = {}
+
+    def fn(x):
+        if not names:
+            names[torch.ones(3)] = "w"  # a store keyed by a tensor the run makes
+        return x * 2
+
+    with pytest.raises(LoweringError, match="left one in a dict, as the key of 'w'"):
+        torchjax.to_jax(fn, lowering="xla")(np.ones(3, np.float32))
+    assert len(dead) == 1  # (the scan of the heap met the dead proxy without raising)
+    names.clear()
+    names[torch.ones(3)] = "w"  # filled before the capture: no leftover
+    _close(torchjax.to_jax(fn, lowering="xla")(np.ones(3, np.float32)), np.full(3, 2.0))

@@ -216,7 +216,8 @@ def _take_back_fakes(
 
 def _is_fake(o: Any, mode: Any) -> bool:
     """Whether `o` is a fake tensor (of `mode`, this capture's, unless None)."""
-    if not isinstance(o, torch.Tensor) or not is_fake(o):
+    # (type(o), not isinstance: isinstance asks a weakref.proxy's referent, maybe dead)
+    if not issubclass(type(o), torch.Tensor) or not is_fake(o):
         return False
     return mode is None or getattr(o, "fake_mode", None) is mode
 
@@ -233,7 +234,7 @@ def _held_by(root: Any) -> set[int]:
     while frontier:
         nxt = []
         for o in gc.get_referents(*frontier):
-            if id(o) not in seen and not isinstance(o, _NOT_WALKED):
+            if id(o) not in seen and not issubclass(type(o), _NOT_WALKED):
                 seen.add(id(o))
                 nxt.append(o)
         frontier = nxt
