@@ -85,6 +85,14 @@ def _no_grad_buffer_written_after(x):  # ... and differentiates what is written 
     return b * x
 
 
+def _no_grad_scaling_of_a_written_buffer(x):  # the fuzzer's: the value changes, not the
+    out = torch.zeros_like(x)  # derivative (torch's autograd never sees a no_grad write)
+    out[1:] = x[:-1] * 2
+    with torch.no_grad():
+        out.mul_(3.0)
+    return out * x
+
+
 def _detached_then_written(x):
     h = x * 2
     y = h.detach()
@@ -107,6 +115,7 @@ PROGRAMS = [
     _full_then_index_add,
     _no_grad_write_into_buffer,
     _no_grad_buffer_written_after,
+    _no_grad_scaling_of_a_written_buffer,
     _detached_then_written,
     _detach_stops,
 ]

@@ -217,6 +217,7 @@ def mark_stop_gradients(graph_module: torch.fx.GraphModule, name: str = "the fun
     outputs a torch op's derivative leaves out, and a .detach() the function writes into
     afterwards (whose aten.detach becomes the functional marker)."""
     graph = graph_module.graph
+    _rebuild_users(graph)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -226,8 +227,8 @@ def mark_stop_gradients(graph_module: torch.fx.GraphModule, name: str = "the fun
             if enabled:
                 mark_stop_gradients(block, name)
                 continue
-            _detach_inputs(block)
-            _mark_outputs(graph, node, None, _block_aliases(block))
+            written = _stop_block_writes(graph, node, block)
+            _mark_outputs(graph, node, None, _block_aliases(block, written))
         elif node.target is _DETACH:
             _detached_then_written(graph, node, name)
         elif is_op_overload(node.target):
@@ -242,22 +243,84 @@ def mark_stop_gradients(graph_module: torch.fx.GraphModule, name: str = "the fun
     graph_module.recompile()
 
 
-def _detach_inputs(block: torch.fx.GraphModule) -> None:
-    """Read a no_grad block's inputs through aten.detach: what the block writes into a
-    tensor from outside (`with torch.no_grad(): out[1:] = x[:-1]`) is then not
-    differentiated, as in torch, and still written there (a view writes through)."""
-    for node in list(block.graph.nodes):
-        if node.op == "placeholder":
-            _mark_uses(block.graph, node, alias=True)
-    block.recompile()
+def _rebuild_users(graph: torch.fx.Graph) -> None:
+    """Make each node's `users` the nodes that read it. torch.export's passes that wrap a
+    no_grad block leave some out (a slice of a buffer that the block then writes), and the
+    passes here follow `users` to every read and write of a value."""
+    for node in graph.nodes:
+        node.users.clear()
+    for node in graph.nodes:
+        for read in node.all_input_nodes:
+            read.users[node] = None
 
 
-def _block_aliases(block: torch.fx.GraphModule) -> list[bool]:
-    """Per output of a no_grad block's graph: whether it may alias a value from outside
-    (an input of the block, or a view of one)."""
+def _stop_block_writes(
+    graph: torch.fx.Graph, node: torch.fx.Node, block: torch.fx.GraphModule
+) -> set[torch.fx.Node]:
+    """What a no_grad block (`node`, its graph `block`) writes in place into a tensor from
+    outside changes that tensor's value and not its derivative: torch's autograd never
+    sees the write (`with torch.no_grad(): out.mul_(3)` leaves out's gradient as it was).
+    So each such tensor x becomes, after the block, x_before + stop_gradient(x - x_before):
+    the block's value, and the derivative x had before it."""
+    placeholders = [n for n in block.graph.nodes if n.op == "placeholder"]
+    inputs = node.args[2:]
+    written: set[torch.fx.Node] = set()
+    for placeholder, x in zip(placeholders, inputs, strict=False):
+        meta = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if not isinstance(meta, torch.Tensor) or not meta.is_floating_point():
+            continue
+        if not any(_writes(u, m) for m in _aliases_of(placeholder) for u in m.users):
+            continue
+        written.add(placeholder)
+        with graph.inserting_before(node):
+            before = _call(graph, torch.ops.aten.clone.default, (x,), meta)
+        with graph.inserting_after(node):
+            delta = _call(graph, torch.ops.aten.sub.Tensor, (x, before), meta)
+        with graph.inserting_after(delta):
+            stopped = _call(graph, stop_gradient_op(), (delta,), meta)
+        with graph.inserting_after(stopped):
+            value = _call(graph, torch.ops.aten.add.Tensor, (before, stopped), meta)
+        with graph.inserting_after(value):
+            _call(graph, torch.ops.aten.copy_.default, (x, value), meta)
+    return written
+
+
+def _call(graph: torch.fx.Graph, target: Any, args: tuple, meta: torch.Tensor) -> torch.fx.Node:
+    made = graph.call_function(target, args)
+    made.meta["val"] = meta
+    return made
+
+
+def _block_aliases(block: torch.fx.GraphModule, written: set[torch.fx.Node]) -> list:
+    """Per output of a no_grad block's graph, its marker: True (aten.detach) where it may
+    alias a value from outside, False (the functional marker) where it is fresh, None (no
+    marker) where it is a block input the block writes, or a view of one: torch's autograd
+    sees that tensor as before the block (_stop_block_writes gave it that derivative)."""
     outputs = block.graph.output_node().args[0]
     outputs = outputs if isinstance(outputs, tuple | list) else (outputs,)
-    return [_may_alias(out) for out in outputs]
+    return [None if _base(out) in written else _may_alias(out) for out in outputs]
+
+
+def _base(value: Any) -> Any:
+    """The node `value` is a view of (or an in-place write's result into), followed back
+    through every op whose result aliases an argument; `value` where none."""
+    while isinstance(value, torch.fx.Node) and value.op == "call_function":
+        if value.target is operator.getitem:
+            value = value.args[0]
+            continue
+        if not is_op_overload(value.target):
+            return value
+        schema = op_schema(value.target)
+        if not any(r.alias_info is not None for r in schema.returns):
+            return value
+        source = next(
+            (a for a, arg in zip(value.args, schema.arguments, strict=False) if arg.alias_info),
+            None,
+        )
+        if not isinstance(source, torch.fx.Node):
+            return value
+        value = source
+    return value
 
 
 def _may_alias(value: Any) -> bool:
@@ -273,17 +336,20 @@ def _may_alias(value: Any) -> bool:
 
 
 def _mark_outputs(
-    graph: torch.fx.Graph, node: torch.fx.Node, stopped: list | None, aliases: list[bool]
+    graph: torch.fx.Graph, node: torch.fx.Node, stopped: list | None, aliases: list
 ) -> None:
     """Route the uses of `node`'s outputs numbered in `stopped` (all where None) through a
     marker each: torchjax::stop_gradient for a fresh value, aten.detach for an alias."""
     if isinstance(node.meta.get("val"), torch.Tensor):
-        _mark_uses(graph, node, aliases[0] if aliases else True)
+        if not aliases or aliases[0] is not None:
+            _mark_uses(graph, node, aliases[0] if aliases else True)
         return
     for user in list(node.users):
         if user.target is operator.getitem and (stopped is None or user.args[1] in stopped):
             i = user.args[1]
-            _mark_uses(graph, user, aliases[i] if i < len(aliases) else True)
+            alias = aliases[i] if i < len(aliases) else True
+            if alias is not None:
+                _mark_uses(graph, user, alias)
 
 
 def _mark_uses(graph: torch.fx.Graph, value: torch.fx.Node, alias: bool) -> None:
