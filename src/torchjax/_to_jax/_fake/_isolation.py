@@ -272,9 +272,14 @@ class FakeRunState:
         return next((t for t in alive if _reach_state([t])), None)
 
     def _first_alive(self) -> torch.Tensor | None:
-        for r in self.made:
-            t = r()
-            if t is not None and (not self.held or _held_elsewhere(t, self.held)):
+        alive = [t for t in (r() for r in self.made) if t is not None]
+        if not alive or not self.held:
+            return alive[0] if alive else None
+        # (one scan of the heap for all of them: most are held by self.held's objects only)
+        if not _held_elsewhere(alive, self.held):
+            return None
+        for t in alive:
+            if _held_elsewhere([t], self.held, alive):
                 return t
         return None
 
@@ -309,10 +314,15 @@ def _reach_state(tensors: list, levels: int = 8, budget: int = 20_000) -> bool:
     return False
 
 
-def _held_elsewhere(t: Any, held: set[int]) -> bool:
-    """Whether something outside `held` (and the frames of running code) holds `t`."""
+def _held_elsewhere(tensors: list, held: set[int], also: list | None = None) -> bool:
+    """Whether something outside `held` (and the frames of running code) holds one of
+    `tensors` (that list itself, and `also`, aside)."""
     return any(
-        id(r) not in held and not isinstance(r, types.FrameType) for r in gc.get_referrers(t)
+        id(r) not in held
+        and r is not tensors
+        and r is not also
+        and not isinstance(r, types.FrameType)
+        for r in gc.get_referrers(*tensors)
     )
 
 
