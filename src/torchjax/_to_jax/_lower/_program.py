@@ -172,7 +172,7 @@ class Program:
         if not jax.config.jax_enable_x64:
             _refuse_wide_floats(name, self.graph)
         for node in self.graph.nodes:
-            if has_value_dependent_size(node.meta.get("val")):
+            if has_value_dependent_size(node.meta.get("val")) or _value_shaped(node):
                 where = user_line(node)
                 raise LoweringError(
                     _VALUE_SHAPED.format(name=name, op=op_name(node.target), where=where)
@@ -271,6 +271,28 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+# Ops whose output's shape is the count of some input's values: torch.export may have fixed
+# it from the example (a constant mask, a mask of one element), but JAX cannot trace them.
+_VALUE_SHAPED_OPS = frozenset(
+    "nonzero masked_select _unique2 unique_dim unique_consecutive bincount argwhere".split()
+)
+
+
+def _value_shaped(node: torch.fx.Node) -> bool:
+    """Whether `node` makes a tensor whose shape counts values: one of _VALUE_SHAPED_OPS, a
+    repeat_interleave by a tensor, or indexing by a boolean mask."""
+    if node.op != "call_function" or not is_op_overload(node.target):
+        return False
+    op, overload = node.target.__name__.split(".")[0], node.target.__name__.split(".")[-1]
+    if op in _VALUE_SHAPED_OPS or (op == "repeat_interleave" and overload == "Tensor"):
+        return True
+    if op != "index":
+        return False
+    indices = node.args[1] if len(node.args) > 1 else ()
+    metas = [i.meta.get("val") for i in indices if isinstance(i, torch.fx.Node)]
+    return any(isinstance(m, torch.Tensor) and m.dtype == torch.bool for m in metas)
 
 
 _WIDE_FLOATS = (torch.float64, torch.complex128)
