@@ -166,6 +166,7 @@ def capture(
         raise
     except Exception as error:
         _take_back_fakes(captured.fake_mode, None, touched, after=error)
+        captured.fake_mode = None
         if _raised_by_user(error):
             raise  # the user's own exception (an input check, say) stays theirs
         if functions.derivatives:
@@ -174,6 +175,7 @@ def capture(
     if functions.derivatives:
         raise LoweringError(_derivative_inside(name, functions.derivatives))
     _take_back_fakes(captured.fake_mode, program, touched)
+    captured.fake_mode = None  # (it holds what it made fakes of: the module's tensors)
     try:
         mark_stop_gradients(program.graph_module, name)
         return _decomposed(program, table), captured
