@@ -7,6 +7,8 @@ eager torch calls), or must be refused with a LoweringError that names the cause
 
 from __future__ import annotations
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,10 @@ import torch
 import torchjax
 from torchjax.errors import LoweringError
 
-pytest.importorskip("torchax")
+# (find_spec, not importorskip: importing torchax outside torchjax's guard changes torch's
+# global state, its device registration, which breaks torch.compile in later tests)
+if importlib.util.find_spec("torchax") is None:
+    pytest.skip("lowering='xla' needs torchax (the [xla] extra)", allow_module_level=True)
 
 _INDEX = [[1, 0, 2], [0, 3, 1], [2, 2, 0], [3, 1, 3]]
 
