@@ -365,8 +365,6 @@ def test_the_users_own_exception_stays_theirs():
 def test_options_are_checked():
     with pytest.raises(ArgumentError, match="lowering='fast' is not one of"):
         torchjax.to_jax(torch.sin, lowering="fast")
-    with pytest.raises(ArgumentError, match="result_shape_dtypes is for lowering='callback'"):
-        torchjax.to_jax(torch.sin, lowering="xla", result_shape_dtypes=jnp.zeros(3))
     with pytest.raises(ArgumentError, match="lowering="):
         torchjax.module_to_jax(torch.nn.Linear(2, 2), lowering="XLA")
     f = torchjax.to_jax(lambda x, s: x * len(s), lowering="xla")
@@ -820,3 +818,29 @@ def test_vector_norm_lowers_with_torchs_derivatives_at_zero():
     assert report.fully_lowered and report.exportable, str(report)
     f = torchjax.to_jax(lambda x: x.norm(), lowering="xla")
     assert jax.export.export(jax.jit(f))(x).serialize()
+
+
+def test_declared_types_are_checked_against_the_capture():
+    """result_shape_dtypes under lowering="xla": the capture finds the types, and a
+    declaration that disagrees in shape, dtype or structure is an error naming the output."""
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    right = jax.ShapeDtypeStruct((2, 3), jnp.float32)
+    f = torchjax.to_jax(lambda a, b: a + b, lowering="xla", result_shape_dtypes=right)
+    np.testing.assert_array_equal(jax.jit(f)(x, x), 2 * x)
+    from_inputs = torchjax.to_jax(
+        lambda a: {"s": a.sum(0)}, lowering="xla", result_shape_dtypes=lambda a: {"s": a}
+    )
+    with pytest.raises(torchjax.errors.OutputMismatchError, match=r"out\['s'\] is float32\[3\]"):
+        from_inputs(x)
+    wrong_dtype = jax.ShapeDtypeStruct((2, 3), jnp.int32)
+    g = torchjax.to_jax(lambda a: a * 2, lowering="xla", result_shape_dtypes=wrong_dtype)
+    with pytest.raises(torchjax.errors.OutputMismatchError, match="declares int32"):
+        jax.jit(g)(x)
+    pair = torchjax.to_jax(lambda a: (a, a), lowering="xla", result_shape_dtypes=right)
+    with pytest.raises(torchjax.errors.OutputMismatchError, match="returns PyTreeDef"):
+        pair(x)
+    apply, variables = torchjax.module_to_jax(
+        torch.nn.Linear(3, 4), lowering="xla", result_shape_dtypes=right
+    )
+    with pytest.raises(torchjax.errors.OutputMismatchError, match=r"float32\[2, 4\]"):
+        apply(variables, x)

@@ -310,14 +310,47 @@ _SPMDAxisContext = private(
 )
 
 
-def partitioned(axis_context: Any) -> bool:
-    """Whether a lowering rule's ``ctx.module_context.axis_context`` partitions the
-    computation across more than one device."""
+def partitioned(axis_context: Any) -> str | None:
+    """How a lowering rule's ``ctx.module_context.axis_context`` partitions the computation
+    across devices: "manual" (shard_map: each device runs its own program on its shard),
+    "auto" (jit of sharded inputs: XLA's partitioner splits one program over more than one
+    device), or None (one device)."""
     if _SPMDAxisContext is not ABSENT and isinstance(axis_context, _SPMDAxisContext):
-        return True
+        return "manual"
     if _ShardingContext is not ABSENT and isinstance(axis_context, _ShardingContext):
-        return axis_context.num_devices > 1
-    return False
+        return "auto" if axis_context.num_devices > 1 else None
+    return None
+
+
+# A host callback that carries its own sharding (once on device 0 under the partitioner,
+# per device in shard_map), handed numpy views of its operands. jax's io_callback and
+# pure_callback give the same sharding but first device_put their operands onto CPU device
+# 0; on a multi-device CPU that transfer (from about 1 MiB) waits behind the program
+# running on device 0, the other devices wait in the next collective, and XLA aborts the
+# process after 40 s. Without these names, io_callback (and that risk) is the fallback.
+_PLACED_FALLBACK = "jax.experimental.io_callback: large sharded operands can hang XLA's CPU"
+_emit_python_callback = private("jax._src.callback.emit_python_callback", fallback=_PLACED_FALLBACK)
+_callback_op_sharding = private(
+    "jax._src.callback._callback_op_sharding", fallback=_PLACED_FALLBACK
+)
+can_place_callbacks = _emit_python_callback is not ABSENT and _callback_op_sharding is not ABSENT
+
+
+def emit_placed_callback(ctx: Any, host: Any, operands: Any, has_side_effect: bool) -> list:
+    """Inside a lowering rule: the results of a host callback `host` (numpy arrays in, a
+    sequence of numpy arrays out) on `operands`, placed as jax places its callbacks."""
+    sharding = _callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
+    results, _, _ = _emit_python_callback(
+        ctx,
+        host,
+        None,
+        list(operands),
+        list(ctx.avals_in),
+        list(ctx.avals_out),
+        has_side_effect=has_side_effect,
+        sharding=sharding,
+    )
+    return list(results)
 
 
 # The JVP splits (_torch_call/_partial_eval.py): partial-evaluation rules, and remat policy results.

@@ -41,6 +41,7 @@ from torchjax._primitive._params import ARRAY
 from torchjax._to_jax._call._guard import same_bytes
 from torchjax._to_jax._context import SEEDED
 from torchjax._to_jax._hooks import CallHooks
+from torchjax._to_jax._lower._lowered import check_declared
 from torchjax._to_jax._options import (
     GradMethod,
     Lowering,
@@ -237,7 +238,12 @@ class _Apply:
             self.lowered = ModuleLowering(
                 self.state, Options.checked(**self.options), _describe_path
             )
-        return self.lowered(params, buffers, args, kwargs, mutable, rng)
+        out = self.lowered(params, buffers, args, kwargs, mutable, rng)
+        if self.result_shape_dtypes is not None:
+            check_declared(
+                self.name, self.result_shape_dtypes, args, kwargs, out[0] if mutable else out
+            )
+        return out
 
     def _declared(self, mutable: bool) -> Callable:
         """result_shape_dtypes for forward's signature, from the user's for the module's."""
@@ -448,7 +454,7 @@ def module_to_jax(
         "grad_method": grad_method,
     }
     Options.checked(**options)  # validates the choices now, with to_jax's messages
-    options["lowering"] = check_lowering(lowering, result_shape_dtypes)
+    options["lowering"] = check_lowering(lowering)
     if not (isinstance(copy, bool) or (isinstance(copy, str) and copy == "move")):
         raise ArgumentError(
             f"module_to_jax: copy={copy!r} is not one of its choices: True (variables are "

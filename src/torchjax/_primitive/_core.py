@@ -59,15 +59,17 @@ canonicalize_dtype = jax.dtypes.canonicalize_dtype
 _x64 = config.enable_x64
 
 
-# Whether the lowering in progress is partitioned across devices (a context variable:
-# lowerings nest, and run on any thread). A lowering rule traces JAX code and never sees
-# the lowering context; what it stages may depend on this (lowering_is_partitioned).
-_PARTITIONED = contextvars.ContextVar("torchjax_lowering_partitioned", default=False)
+# How the lowering in progress is partitioned across devices (a context variable: lowerings
+# nest, and run on any thread). A lowering rule traces JAX code and never sees the lowering
+# context; what it stages may depend on this (lowering_partitioning).
+_PARTITIONED: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "torchjax_lowering_partitioned", default=None
+)
 
 
-def lowering_is_partitioned() -> bool:
-    """Inside a lowering rule: whether the computation is partitioned across devices (jit
-    of sharded inputs, or shard_map), where a side-effecting custom call needs a sharding."""
+def lowering_partitioning() -> str | None:
+    """Inside a lowering rule: "auto" under jit of sharded inputs (XLA's partitioner),
+    "manual" in shard_map, None on one device (see _compat/_jax.py's `partitioned`)."""
     return _PARTITIONED.get()
 
 

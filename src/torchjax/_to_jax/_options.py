@@ -18,17 +18,12 @@ GRAD_METHODS: tuple[str, ...] = get_args(GradMethod)
 LOWERINGS: tuple[str, ...] = get_args(Lowering)
 
 
-def check_lowering(lowering: str, result_shape_dtypes: object = None) -> str:
-    """`lowering`, checked: one of LOWERINGS, and "xla" without result_shape_dtypes."""
+def check_lowering(lowering: str) -> str:
+    """`lowering`, checked: one of LOWERINGS."""
     if lowering not in LOWERINGS:
         raise ArgumentError(
             f"lowering={lowering!r} is not one of {', '.join(map(repr, LOWERINGS))}: "
             f"'callback' runs the function as torch code, 'xla' turns its ops into JAX ops."
-        )
-    if lowering == "xla" and result_shape_dtypes is not None:
-        raise ArgumentError(
-            "result_shape_dtypes is for lowering='callback': with lowering='xla' the output "
-            "types come from the torch.export graph. Drop result_shape_dtypes."
         )
     return lowering
 

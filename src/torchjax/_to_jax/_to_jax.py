@@ -93,7 +93,8 @@ def to_jax(
       result_shape_dtypes: the outputs' types, a pytree of ``jax.ShapeDtypeStruct``, or a
         callable taking the inputs as ShapeDtypeStructs (same signature as `fn`) and
         returning one. Without it, types are found by running `fn` on torch fake
-        tensors (no real data), once per input signature.
+        tensors (no real data), once per input signature. With ``lowering="xla"`` the
+        capture finds them, and a declaration is checked against it.
       vmap_method: how ``jax.vmap`` batches the call. ``"torch.func"`` (default; also
         spelled ``"torch"``): one call of ``torch.func.vmap(fn)``. ``"sequential"``: one
         call per example (for code that torch.vmap cannot batch). ``"expand_dims"``:
@@ -140,9 +141,10 @@ def to_jax(
             f"{type(fn).__name__}. Pass the function itself: to_jax(fn), or use @to_jax."
         )
     options = Options.checked(vmap_method, vmap_randomness, grad_method)
-    if check_lowering(lowering, result_shape_dtypes) == "xla":
+    if check_lowering(lowering) == "xla":
         callback = functools.partial(op_callback, options=options)
-        return lowered_function(fn, Lowered(fn, function_name(fn), callback, call_path))
+        lowered = Lowered(fn, function_name(fn), callback, call_path)
+        return lowered_function(fn, lowered, result_shape_dtypes)
     return wrap(fn, result_shape_dtypes, options)
 
 

@@ -9,10 +9,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from torchjax._compat._messages import wants_int32
 from torchjax._convert import canonical_jax_dtype, is_array, torch_dtype, widens
-from torchjax._errors import LoweringError, StaticArgumentError
+from torchjax._errors import LoweringError, OutputMismatchError, StaticArgumentError
 from torchjax._log import logger, signature, timed
 from torchjax._to_jax._call._guard import inplace_error
 from torchjax._to_jax._context import LOWERING_LOCK
@@ -164,13 +165,46 @@ def call_path(path: tuple) -> str:
     return head + _tree.keystr(tuple(path[1:]))
 
 
-def lowered_function(fn: Callable, lowered: Lowered) -> Callable:
-    """to_jax's public function for a Lowered: the user's call signature."""
+def lowered_function(fn: Callable, lowered: Lowered, declared: Any = None) -> Callable:
+    """to_jax's public function for a Lowered: the user's call signature. `declared`
+    (result_shape_dtypes) is checked against the types the capture gives."""
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         out, _ = lowered((args, kwargs))
+        if declared is not None:
+            check_declared(lowered.name, declared, args, kwargs, out)
         return out
 
     wrapped.lowered = lowered  # lowering_report reads the routes from here
     return wrapped
+
+
+def check_declared(name: str, declared: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    """Raise OutputMismatchError where `out` differs from result_shape_dtypes (a pytree of
+    ShapeDtypeStructs, or a callable of the inputs' types giving one) in structure, shape or
+    dtype: the declaration is the user's statement of what the function returns."""
+    if callable(declared):
+        struct = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+        declared = declared(
+            *_tree.tree_map(lambda x: struct(x) if is_array(x) else x, args),
+            **_tree.tree_map(lambda x: struct(x) if is_array(x) else x, kwargs),
+        )
+    want, want_tree = _tree.tree_flatten_with_path(declared)
+    got, got_tree = _tree.tree_flatten(out)
+    if want_tree != got_tree:
+        raise OutputMismatchError(
+            f"{name} returns {got_tree}, but result_shape_dtypes declares {want_tree}. "
+            f"Declare the structure the function returns, or drop result_shape_dtypes: "
+            f'lowering="xla" finds the output types from the capture.'
+        )
+    for (path, spec), value in zip(want, got, strict=True):
+        shape = tuple(getattr(spec, "shape", ()))
+        dtype = jax.dtypes.canonicalize_dtype(getattr(spec, "dtype", None) or np.float32)
+        if tuple(jnp.shape(value)) != shape or jnp.result_type(value) != dtype:
+            raise OutputMismatchError(
+                f"{name}: out{_tree.keystr(path)} is {jnp.result_type(value)}"
+                f"{list(jnp.shape(value))}, but result_shape_dtypes declares {dtype}"
+                f"{list(shape)}. Correct the declaration, or drop result_shape_dtypes: "
+                f'lowering="xla" finds the output types from the capture.'
+            )

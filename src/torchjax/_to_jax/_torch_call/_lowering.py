@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from jax.experimental import io_callback
 
-from torchjax._compat._jax import buffer_callback
+from torchjax._compat._jax import buffer_callback, can_place_callbacks
 from torchjax._compat._torch import (
     any_autocast,
     autocast_as,
@@ -32,7 +32,7 @@ from torchjax._convert import (
     torch_dtype,
 )
 from torchjax._log import describe, profiled, profiling
-from torchjax._primitive._core import lowering_is_partitioned
+from torchjax._primitive._core import lowering_partitioning
 from torchjax._to_jax import _hot as hot_paths
 from torchjax._to_jax._call._callback_errors import as_reported
 from torchjax._to_jax._call._cuda import on_xla_stream
@@ -44,6 +44,7 @@ from torchjax._to_jax._callables._autodiff import VjpFunction
 from torchjax._to_jax._callables._batched_kept import BatchedKeptVjp
 from torchjax._to_jax._callables._kept import KeptForward
 from torchjax._to_jax._context import OUTPUT_BUFFERS
+from torchjax._to_jax._torch_call._placed import placed_call
 from torchjax._to_jax._torch_call._primitive import torch_call_p
 
 # Tests flip this to exercise the documented pure_callback fallback.
@@ -85,14 +86,21 @@ def callback_call(
     A call that `draws` random numbers from torch's generator is staged as having a side
     effect: XLA would otherwise merge two such calls on the same inputs into one (two
     dropout masks would be one), or drop one whose outputs go unused."""
-    if draws and lowering_is_partitioned():
-        # Partitioned, a side-effecting call needs a sharding (XLA's partitioner refuses
-        # one without), which jax's io_callback gives (once, on one device; per device in
-        # shard_map) and buffer_callback does not: the host-copying callback, for this case.
+    partitioning = lowering_partitioning()
+    if partitioning == "auto" or (partitioning == "manual" and draws):
+        # Partitioned, a call needs a sharding of its own, which buffer_callback cannot
+        # carry: without one XLA's partitioner runs it on every device (each on the gathered
+        # value: one torch call per device), and refuses one that draws. Placed once on
+        # device 0 (per device in shard_map), it runs on host copies of its operands.
         # Its outputs come out pinned to that one device, a sharding later JAX operations
         # on them cannot convert (jax 0.10): the barrier leaves the partitioner free to
-        # place them.
-        outs = _pure_callback_call(run, operands, out_structs, out_paths, draws, name)
+        # place them. Inside shard_map a call that does not draw runs per device anyway,
+        # on its own shard: buffer_callback, below, with no copies.
+        host = _numpy_host(run, out_structs, out_paths, name)
+        if can_place_callbacks:
+            outs = placed_call(host, out_structs, operands, draws)
+        else:
+            outs = io_callback(host, list(out_structs), *operands, ordered=False)
         return list(jax.lax.optimization_barrier(list(outs)))
     if not USE_BUFFER_CALLBACK:
         return _pure_callback_call(run, operands, out_structs, out_paths, draws, name)
@@ -208,7 +216,10 @@ def _is_buffer(value: Any, dst: torch.Tensor) -> bool:
     )
 
 
-def _pure_callback_call(run, operands, out_structs, out_paths, draws=False, name="torchjax"):
+def _numpy_host(run: Run, out_structs, out_paths, name: str) -> Callable:
+    """`run` as a host callback on numpy arrays: numpy operands in (wrapped zero-copy), a
+    list of numpy results out."""
+
     def host(*arrays: np.ndarray) -> list[np.ndarray]:
         try:  # (the outermost callback frame raises the stand-in: see _ranged)
             if profiling():
@@ -233,6 +244,11 @@ def _pure_callback_call(run, operands, out_structs, out_paths, draws=False, name
         except Exception as e:
             raise as_reported(e) from None  # (_call/_callback_errors.py)
 
+    return host
+
+
+def _pure_callback_call(run, operands, out_structs, out_paths, draws=False, name="torchjax"):
+    host = _numpy_host(run, out_structs, out_paths, name)
     if draws:  # not pure: two calls on the same inputs draw twice (see callback_call)
         return io_callback(host, list(out_structs), *operands, ordered=False)
     return jax.pure_callback(host, list(out_structs), *operands, vmap_method="sequential")
