@@ -64,7 +64,7 @@ bench: $(STAMP)
 
 # Every op of torch's OpInfo database under every transform, float64 and float32 with x64
 # off, then through lowering="xla"; rewrites docs/conformance.md and fails on any mismatch
-# or error, and on a stale entry of CALLBACK_OPS (src/torchjax/_to_jax/_lower/_callback_ops.py).
+# or error, and on a stale entry of CALLBACK_OPS (src/torchjax/_to_jax/_xla/_callback_ops.py).
 conformance: $(STAMP)
 	$(BIN)/python tools/conformance.py
 

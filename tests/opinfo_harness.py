@@ -802,7 +802,7 @@ MAX_CULPRIT_TRIALS = 8  # lowered ATen ops tried one at a time as callbacks, per
 def listed_callback_ops() -> frozenset[str]:
     """CALLBACK_OPS as the source lists it: the ATen ops lowering="xla" runs as callbacks
     because their lowering disagrees with torch."""
-    from torchjax._to_jax._lower._callback_ops import CALLBACK_OPS
+    from torchjax._to_jax._xla._callback_ops import CALLBACK_OPS
 
     return CALLBACK_OPS
 
@@ -811,7 +811,7 @@ def listed_callback_ops() -> frozenset[str]:
 def _callback_ops(ops: frozenset[str]) -> Iterator[None]:
     """`ops` in place of CALLBACK_OPS while a program is lowered (the lowering reads that
     global of its module at each node it lowers, the first time each signature runs)."""
-    from torchjax._to_jax._lower import _program
+    from torchjax._to_jax._xla import _program
 
     saved = _program.CALLBACK_OPS
     _program.CALLBACK_OPS = ops

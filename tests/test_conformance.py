@@ -330,9 +330,9 @@ def fresh_sin():
 
 def _wrong_sin_lowering(monkeypatch):
     # aten.sin lowered 0.1% off: what a wrong entry of the op table looks like.
-    from torchjax._to_jax._lower import _engine
+    from torchjax._to_jax._xla import _op_table
 
-    real = _engine.OpTable.lowering
+    real = _op_table.OpTable.lowering
 
     def lowering(self, target):
         op = real(self, target)
@@ -340,11 +340,11 @@ def _wrong_sin_lowering(monkeypatch):
             return op
         return dataclasses.replace(op, func=lambda x: jnp.sin(x) * 1.001)
 
-    monkeypatch.setattr(_engine.OpTable, "lowering", lowering)
+    monkeypatch.setattr(_op_table.OpTable, "lowering", lowering)
 
 
 def _list_callback_ops(monkeypatch, ops):
-    from torchjax._to_jax._lower import _callback_ops, _program
+    from torchjax._to_jax._xla import _callback_ops, _program
 
     monkeypatch.setattr(_callback_ops, "CALLBACK_OPS", frozenset(ops))
     monkeypatch.setattr(_program, "CALLBACK_OPS", frozenset(ops))
@@ -382,7 +382,7 @@ def test_xla_stale_entry_is_reported(monkeypatch, fresh_sin):
 
 
 def _program_listed():
-    from torchjax._to_jax._lower._program import LISTED
+    from torchjax._to_jax._xla._program import LISTED
 
     return LISTED
 

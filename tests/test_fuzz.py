@@ -210,7 +210,7 @@ def test_fuzzer_catches_a_broken_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """lowering="xla" lowers what torch does not differentiate (aten.detach, and
     torchjax::stop_gradient for a no_grad block's values) to jax.lax.stop_gradient. Made the
     identity, the fuzzer's first few programs of detach / no_grad ops find a mismatch."""
-    from torchjax._to_jax._lower._program import Program
+    from torchjax._to_jax._xla._program import Program
 
     call = Program._call
     stops = {"aten.detach.default", "torchjax.stop_gradient.default"}

@@ -25,7 +25,7 @@ LAYERS = [
     ("torchjax._to_jax._fake",),
     ("torchjax._to_jax._callables",),
     ("torchjax._to_jax._torch_call",),
-    ("torchjax._to_jax._lower",),
+    ("torchjax._to_jax._xla",),
     ("torchjax._to_jax._to_jax", "torchjax._to_jax"),
     ("torchjax._module_to_jax", "torchjax._to_torch"),
     ("torchjax",),

@@ -7,7 +7,7 @@
 # Then the same ops through to_jax(..., lowering="xla") under harness.XLA_TRANSFORMS, within
 # harness.XLA_TOLERANCES: per op, whether torch.export captured it and which of its ATen ops
 # were lowered or ran as callbacks. A lowered ATen op that disagrees with torch belongs in
-# CALLBACK_OPS (src/torchjax/_to_jax/_lower/_callback_ops.py): any xla mismatch fails the
+# CALLBACK_OPS (src/torchjax/_to_jax/_xla/_callback_ops.py): any xla mismatch fails the
 # sweep, and its culprits (the ops whose callback makes it pass) are what to list. A listed
 # op that agrees with torch when lowered wherever it occurs is stale: that fails the full
 # sweep too (not --ci nor --ops, which see only some of the ops that may need it).
@@ -280,7 +280,7 @@ def _xla_report(xla: list[harness.Result], args: argparse.Namespace) -> list[str
         'The same ops through `to_jax(..., lowering="xla")`: each sample `torch.export`ed, each',
         "ATen node of its graph lowered to JAX ops through the op table (torchax) or, where it",
         "has no lowering, its lowering raised, or it is listed in `CALLBACK_OPS`",
-        "(`src/torchjax/_to_jax/_lower/_callback_ops.py`), run as a torch callback. Transforms:",
+        "(`src/torchjax/_to_jax/_xla/_callback_ops.py`), run as a torch callback. Transforms:",
         f"{', '.join(harness.XLA_TRANSFORMS)}; {len(ops)} ops, {len(xla)} (op, transform, "
         f"profile) triples: {mode}.",
         "",
@@ -373,7 +373,7 @@ def _xla_report(xla: list[harness.Result], args: argparse.Namespace) -> list[str
         "",
         f"### CALLBACK_OPS ({len(status)})",
         "",
-        "Listed in `src/torchjax/_to_jax/_lower/_callback_ops.py`: lowered, these disagree with",
+        "Listed in `src/torchjax/_to_jax/_xla/_callback_ops.py`: lowered, these disagree with",
         "torch beyond the tolerances above, so they run as torch callbacks. The sweep lowers",
         "each one alone where a passing sample's graph holds it; where it then agrees with",
         "torch everywhere, it is stale.",

@@ -7,9 +7,9 @@ from typing import Any
 import torch
 
 from torchjax._module_to_jax._module_to_jax import ModuleFunction, module_to_jax
-from torchjax._to_jax._lower._lowered import Lowered
-from torchjax._to_jax._lower._report import LoweringReport, report
 from torchjax._to_jax._to_jax import to_jax
+from torchjax._to_jax._xla._function import Lowered
+from torchjax._to_jax._xla._report import LoweringReport, report
 
 __all__ = ["lowering_report"]
 

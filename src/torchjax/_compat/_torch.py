@@ -369,7 +369,7 @@ def operator_name(fn: Any) -> str | None:
     return str(getattr(fn, "_qualname", None) or fn)  # a custom op's "namespace::name"
 
 
-# lowering="xla" (_to_jax/_lower/): a graph node's target is an ATen or custom op (an
+# lowering="xla" (_to_jax/_xla/): a graph node's target is an ATen or custom op (an
 # OpOverload), a higher-order op (control flow, which it cannot lower) or a Python function;
 # torch's global decomposition tables, which torchax's import writes into and the loader
 # puts back.

@@ -35,13 +35,12 @@ from torchjax._convert import tensors_to_jax
 from torchjax._errors import ArgumentError, VariablesError
 from torchjax._log import logger
 from torchjax._module_to_jax._copies import ModuleState
-from torchjax._module_to_jax._lowered import ModuleLowering
 from torchjax._module_to_jax._move import move_out
+from torchjax._module_to_jax._xla_module import ModuleLowering
 from torchjax._primitive._params import ARRAY
 from torchjax._to_jax._call._guard import same_bytes
 from torchjax._to_jax._context import SEEDED
 from torchjax._to_jax._hooks import CallHooks
-from torchjax._to_jax._lower._lowered import check_declared
 from torchjax._to_jax._options import (
     GradMethod,
     Lowering,
@@ -51,6 +50,7 @@ from torchjax._to_jax._options import (
     check_lowering,
 )
 from torchjax._to_jax._to_jax import wrap
+from torchjax._to_jax._xla._function import check_declared
 
 __all__ = ["module_to_jax"]
 

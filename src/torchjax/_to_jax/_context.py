@@ -29,7 +29,7 @@
 # PARAMETRIZE_LOCK   process  one module call at a time owns parametrize's shared keys
 #                             (_module_to_jax/)
 # LOWERING_LOCK      process  lowering="xla": the op table's one import, one torch.export at a
-#                             time (torch.export's tracing state is process-wide) (_lower/)
+#                             time (torch.export's tracing state is process-wide) (_xla/)
 from __future__ import annotations
 
 import collections

@@ -20,7 +20,6 @@ from torchjax._to_jax._callables._user import UserFunction
 from torchjax._to_jax._fake._run import function_name
 from torchjax._to_jax._hooks import NO_HOOKS, CallHooks
 from torchjax._to_jax._hot import MISS
-from torchjax._to_jax._lower._lowered import Lowered, call_path, lowered_function
 from torchjax._to_jax._options import (
     GradMethod,
     Lowering,
@@ -30,6 +29,7 @@ from torchjax._to_jax._options import (
     check_lowering,
 )
 from torchjax._to_jax._torch_call import torch_call_p
+from torchjax._to_jax._xla._function import Lowered, call_path, lowered_function
 
 
 def _raise_unhashable(user: UserFunction, args: tuple, kwargs: dict) -> None:

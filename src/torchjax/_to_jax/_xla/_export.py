@@ -23,9 +23,10 @@ from torchjax._to_jax._call._outputs import as_jax_tree
 from torchjax._to_jax._context import FAKE_RUN_LOCK
 from torchjax._to_jax._fake._isolation import FakeRunState
 from torchjax._to_jax._fake._run import output_struct
-from torchjax._to_jax._lower._engine import OpTable
-from torchjax._to_jax._lower._gradients import AutogradFunctions, mark_stop_gradients
-from torchjax._to_jax._lower._own_ops import KEPT_WHOLE
+from torchjax._to_jax._xla._autograd_functions import AutogradFunctions
+from torchjax._to_jax._xla._gradients import mark_stop_gradients
+from torchjax._to_jax._xla._op_table import OpTable
+from torchjax._to_jax._xla._own_ops import KEPT_WHOLE
 
 _tree = jax.tree_util
 

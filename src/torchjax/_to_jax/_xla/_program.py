@@ -24,15 +24,15 @@ from torchjax._compat._torch import (
 from torchjax._convert import canonical_jax_dtype, tensor_to_jax
 from torchjax._errors import LoweringError
 from torchjax._log import logger
-from torchjax._to_jax._lower._callback_ops import CALLBACK_OPS
-from torchjax._to_jax._lower._engine import OpTable
-from torchjax._to_jax._lower._export import Captured
-from torchjax._to_jax._lower._gradients import (
+from torchjax._to_jax._xla._callback_ops import CALLBACK_OPS
+from torchjax._to_jax._xla._export import Captured
+from torchjax._to_jax._xla._gradients import (
     differentiable_outputs,
     stop_gradient_op,
     user_line,
 )
-from torchjax._to_jax._lower._own_ops import OWN_LOWERINGS
+from torchjax._to_jax._xla._op_table import OpTable
+from torchjax._to_jax._xla._own_ops import OWN_LOWERINGS
 
 _HIGHER_ORDER = """\
 lowering="xla": {name} uses {op}, a torch higher-order op (control flow or a wrapped
@@ -78,7 +78,7 @@ RANDOM = (
     "a random op: without a JAX key it draws from torch's generator, as lowering='callback' "
     "does (module_to_jax's apply(..., rng=key) lowers it to jax.random)"
 )
-LISTED = "listed in _lower/_callback_ops.py: its lowering disagrees with torch (make conformance)"
+LISTED = "listed in _xla/_callback_ops.py: its lowering disagrees with torch (make conformance)"
 
 
 @dataclasses.dataclass

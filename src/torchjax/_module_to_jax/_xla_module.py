@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from torchjax._module_to_jax._copies import ModuleState
-from torchjax._to_jax._lower._lowered import Lowered
 from torchjax._to_jax._options import Options
 from torchjax._to_jax._to_jax import op_callback
+from torchjax._to_jax._xla._function import Lowered
 
 
 def _shell(module: torch.nn.Module) -> torch.nn.Module:

@@ -11,8 +11,8 @@ import jax
 import torch
 
 from torchjax._convert import canonical_jax_dtype, is_array
-from torchjax._to_jax._lower._lowered import Lowered
-from torchjax._to_jax._lower._program import SymbolicCallback
+from torchjax._to_jax._xla._function import Lowered
+from torchjax._to_jax._xla._program import SymbolicCallback
 
 
 @dataclasses.dataclass(frozen=True)

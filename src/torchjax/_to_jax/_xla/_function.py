@@ -17,9 +17,9 @@ from torchjax._errors import LoweringError, OutputMismatchError, StaticArgumentE
 from torchjax._log import logger, signature, timed
 from torchjax._to_jax._call._guard import inplace_error
 from torchjax._to_jax._context import LOWERING_LOCK
-from torchjax._to_jax._lower._engine import op_table
-from torchjax._to_jax._lower._export import capture, examples
-from torchjax._to_jax._lower._program import Program
+from torchjax._to_jax._xla._export import capture, examples
+from torchjax._to_jax._xla._op_table import op_table
+from torchjax._to_jax._xla._program import Program
 
 _tree = jax.tree_util
 
