@@ -251,8 +251,7 @@ class FakeRunState:
         if after is not None and not _reach_state([r() for r in self.made if r() is not None]):
             return  # only the failure holds them (see _reach_state): they go with it
         self.clear_grown_caches()
-        for ref in self.made:
-            _take_back(ref, self.held)
+        _take_back(self.made, self.held)
         t = self._first_alive() if after is None else self._first_held()
         if t is not None:
             holder = _describe(t, self.held)
@@ -275,13 +274,14 @@ class FakeRunState:
         alive = [t for t in (r() for r in self.made) if t is not None]
         if not alive or not self.held:
             return alive[0] if alive else None
-        # (one scan of the heap for all of them: most are held by self.held's objects only)
-        if not _held_elsewhere(alive, self.held):
-            return None
-        for t in alive:
-            if _held_elsewhere([t], self.held, alive):
-                return t
-        return None
+        # One scan of the heap for all of them (most are held by self.held's objects only),
+        # then, of each holder outside those, which of them it holds: a scan per tensor
+        # cost seconds a capture, as a capture leaves hundreds in its program's records.
+        ids = {id(t) for t in alive}
+        elsewhere: set[int] = set()
+        for r in _holders_outside(alive, self.held):
+            elsewhere.update(i for i in map(id, gc.get_referents(r)) if i in ids)
+        return next((t for t in alive if id(t) in elsewhere), None)
 
 
 # What a failed run's exception keeps alive until it is dropped: no state of the user's.
@@ -314,46 +314,62 @@ def _reach_state(tensors: list, levels: int = 8, budget: int = 20_000) -> bool:
     return False
 
 
-def _held_elsewhere(tensors: list, held: set[int], also: list | None = None) -> bool:
-    """Whether something outside `held` (and the frames of running code) holds one of
-    `tensors` (that list itself, and `also`, aside)."""
-    return any(
-        id(r) not in held
-        and r is not tensors
-        and r is not also
-        and not isinstance(r, types.FrameType)
+def _holders_outside(tensors: list, held: set[int]) -> list:
+    """What holds one of `tensors` outside `held` (the frames of running code, and that
+    list itself, aside)."""
+    return [
+        r
         for r in gc.get_referrers(*tensors)
-    )
+        if id(r) not in held and r is not tensors and not isinstance(r, types.FrameType)
+    ]
 
 
-def _take_back(ref: weakref.ref, held: set[int] = frozenset()) -> None:  # type: ignore[assignment]
-    """Drop the holds on a fake tensor that can go without harm: an lru_cache's (cleared:
+def _take_back(refs: list[weakref.ref], held: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    """Drop the holds on fake tensors that can go without harm: an lru_cache's (cleared:
     it is a cache), and a plain dict's entry (a cache keyed by the run's objects, such as
     torch.nn.utils.parametrize.cached's), which the run itself made or overwrote with
-    data-less garbage. An object's attribute or a list item stays: an error names it."""
-    t = ref()
-    if t is None:
+    data-less garbage. An object's attribute or a list item stays: an error names it.
+    All of them at once: a few scans of the heap in all, not a few per tensor."""
+    tensors = [t for t in (r() for r in refs) if t is not None]
+    if not tensors:
         return
-    for holder in _holders(t):
+    for holder in _holders(*tensors):
         if is_lru_cache(holder):
             holder.cache_clear()
-    for r in gc.get_referrers(t):
-        if id(r) in held:
-            continue
-        if type(r) in (dict, collections.OrderedDict) and not _is_namespace(r):
-            for k in _keys_of(r, t):
-                del r[k]
+    ids = {id(t) for t in tensors}
+    dicts = [
+        r
+        for r in gc.get_referrers(*tensors)
+        if id(r) not in held and type(r) in (dict, collections.OrderedDict)
+    ]
+    namespaces = _namespaces(dicts)
+    for d in dicts:
+        if id(d) not in namespaces:
+            for k in _keys_holding(d, ids):
+                del d[k]
+
+
+def _keys_holding(d: dict, ids: set[int]) -> list:
+    # (not a comprehension inside the caller, for _keys_of's reason)
+    return [k for k, v in d.items() if id(v) in ids]
+
+
+def _namespaces(dicts: list) -> set[int]:
+    """The ids of those of `dicts` that are an object's attributes or a module's globals."""
+    if not dicts:
+        return set()
+    ids = {id(d) for d in dicts}
+    return {
+        id(d)
+        for o in gc.get_referrers(*dicts)
+        if (d := instance_dict(o)) is not None and id(d) in ids
+    }
 
 
 def _keys_of(d: dict, value: Any) -> list:
     # Not a comprehension inside the callers: one would keep `value` in a closure cell,
     # which gc.get_referrers would then report as a holder.
     return [k for k, v in d.items() if v is value]
-
-
-def _is_namespace(d: dict) -> bool:
-    """Whether `d` is an object's attributes or a module's globals (not a plain dict)."""
-    return any(instance_dict(o) is d for o in gc.get_referrers(d))
 
 
 def _cache_size(cache: Any) -> int | None:
@@ -363,19 +379,22 @@ def _cache_size(cache: Any) -> int | None:
         return None
 
 
-def _holders(t: Any, depth: int = 3) -> list:
-    """The objects that keep `t` alive, up to `depth` references away (containers between)."""
-    found, frontier, seen = [], [t], {id(t)}
+def _holders(*objects: Any, depth: int = 3) -> list:
+    """The objects that keep `objects` alive, up to `depth` references away (containers
+    between): one scan of the heap per level."""
+    found, frontier, seen = [], list(objects), {id(o) for o in objects}
     for _ in range(depth):
-        nxt = []
-        for obj in frontier:
-            for r in gc.get_referrers(obj):
-                if id(r) in seen or isinstance(r, types.FrameType) or r is frontier:
-                    continue
-                seen.add(id(r))
-                found.append(r)
-                if isinstance(r, dict | list | tuple | set):
-                    nxt.append(r)
+        if not frontier:
+            break
+        nxt: list = []
+        mine = {id(found), id(frontier), id(nxt), id(objects)}  # (lists of this search)
+        for r in gc.get_referrers(*frontier):
+            if id(r) in seen or id(r) in mine or isinstance(r, types.FrameType):
+                continue
+            seen.add(id(r))
+            found.append(r)
+            if isinstance(r, dict | list | tuple | set):
+                nxt.append(r)
         frontier = nxt
     return found
 
