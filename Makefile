@@ -74,15 +74,15 @@ conformance: $(STAMP)
 conformance-ci: $(STAMP)
 	$(BIN)/python tools/conformance.py --ci
 
-# The differential program fuzzer (tests/test_fuzz.py) at length: FUZZ_EXAMPLES random programs
+# The differential program fuzzer (tests/fuzz_suite.py) at length: FUZZ_EXAMPLES random programs
 # of composed ops on both lowerings under jit, grad, vmap and jvp, against torch, drawn from a
 # random seed it prints (FUZZ_SEED=n draws the same programs again). CI runs a fixed 40 of them
-# with the rest of tests/ (derandomized); a failure prints the shrunk program and a repro.
+# in make test (derandomized, in a fresh process: tests/test_fuzz.py); a failure prints the shrunk program and a repro.
 FUZZ_EXAMPLES ?= 2000
 FUZZ_SEED ?= $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 fuzz: $(STAMP)
 	TORCHJAX_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) TORCHJAX_FUZZ_SEED=$(FUZZ_SEED) \
-		$(BIN)/python -m pytest -q tests/test_fuzz.py -k test_programs_agree_with_torch
+		$(BIN)/python -m pytest -q tests/fuzz_suite.py -k test_programs_agree_with_torch
 
 clean:
 	rm -rf $(VENV) .venv-gpu site dist build
