@@ -4,6 +4,7 @@ torch call is recorded under, in torch.profiler's and jax.profiler's traces."""
 from __future__ import annotations
 
 import glob
+import importlib.util
 import logging
 import re
 import subprocess
@@ -106,3 +107,25 @@ def test_jax_profiler_trace_holds_the_ranges(tmp_path):
     assert files
     data = b"".join(open(p, "rb").read() for p in files)
     assert ("torchjax " + cosines.__qualname__).encode() in data
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchax") is None, reason="lowering='xla' needs torchax ([xla])"
+)
+def test_lowered_calls_are_named_ranges_and_their_errors_start_at_the_call():
+    """lowering="xla"'s wrapper does what to_jax's does: a named range in a profiler that
+    records, and an error's traceback that starts at the user's call, not in torchjax."""
+
+    def energy(x):  # [3] -> []
+        return torch.sin(x).sum()
+
+    f = torchjax.to_jax(energy, lowering="xla")
+    x = jnp.ones(3)
+    f(x)  # captured before the trace
+    with torch.profiler.profile() as prof:
+        f(x)
+    assert "torchjax " + energy.__qualname__ in _ranges(prof.events())
+    with pytest.raises(torchjax.errors.StaticArgumentError) as info:
+        f(x, {1})
+    frames = [str(entry.path) for entry in info.traceback]
+    assert not any("/torchjax/" in p for p in frames), frames  # (JAX filters them)

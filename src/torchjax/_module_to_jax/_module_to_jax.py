@@ -9,8 +9,9 @@
 # of the call itself. Whether forward writes its buffers in place (BatchNorm's running
 # statistics in training mode) is learnt from the first run of each mode, fake or real:
 # until then, and whenever it does, calls hand it copies, so the caller's arrays are never
-# written. A little over 400 lines, most of them module_to_jax's and apply's docstrings
-# and messages; the copies, placeholders and the move live in their own modules.
+# written. Over 500 lines, most of them module_to_jax's and apply's docstrings and
+# messages (the public API's reference); the copies, placeholders, the move and the
+# lowering="xla" path live in their own modules.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping

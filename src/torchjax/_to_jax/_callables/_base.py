@@ -28,8 +28,6 @@ from torchjax._to_jax._torch_ops._residual import (
 
 _tree = jax.tree_util
 
-_tree = jax.tree_util
-
 
 # types_of(fn, *args): the output types of fn(*args) under the call's options. The abstract
 # eval rule hands it to out_types, so callables find their inner function's types without

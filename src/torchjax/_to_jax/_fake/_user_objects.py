@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import operator
 import types
 from typing import Any
 
@@ -91,8 +90,3 @@ def partial_parts(obj: Any) -> list | None:
         return None
     func, args, keywords = (p.__get__(obj) for p in _partial_parts)
     return [func, *args, *dict.values(keywords)]
-
-
-def same_objects(a: list, b: list) -> bool:
-    """Whether two lists hold the same objects in the same order (by identity, in C)."""
-    return len(a) == len(b) and all(map(operator.is_, a, b))

@@ -11,10 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from torchjax._compat._jax import traceback_boundary
 from torchjax._compat._messages import wants_int32
 from torchjax._convert import canonical_jax_dtype, is_array, torch_dtype, widens
 from torchjax._errors import LoweringError, OutputMismatchError, StaticArgumentError
-from torchjax._log import logger, signature, timed
+from torchjax._log import logger, profiled, profiling, signature, timed
 from torchjax._to_jax._call._guard import inplace_error
 from torchjax._to_jax._context import LOWERING_LOCK
 from torchjax._to_jax._xla._export import capture, examples
@@ -169,12 +170,21 @@ def lowered_function(fn: Callable, lowered: Lowered, declared: Any = None) -> Ca
     """to_jax's public function for a Lowered: the user's call signature. `declared`
     (result_shape_dtypes) is checked against the types the capture gives."""
 
-    @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+    range_name = f"torchjax {lowered.name}"
+
+    def call(args: tuple, kwargs: dict) -> Any:
         out, _ = lowered((args, kwargs))
         if declared is not None:
             check_declared(lowered.name, declared, args, kwargs, out)
         return out
+
+    @functools.wraps(fn)
+    @traceback_boundary  # an error's traceback starts at the user's call, as to_jax's
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if profiling():  # a named range in the torch or jax profiler that records
+            with profiled(range_name):
+                return call(args, kwargs)
+        return call(args, kwargs)
 
     wrapped.lowered = lowered  # lowering_report reads the routes from here
     return wrapped
