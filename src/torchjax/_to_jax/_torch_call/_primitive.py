@@ -46,7 +46,9 @@ jax.export and jax.eval_shape take them. torch runs on tensors of known sizes, a
 host callback that runs it needs them too, so torchjax cannot stage a torch call whose
 shapes are symbolic, with or without result_shape_dtypes. Use concrete shapes:
 jax.eval_shape(f, jax.ShapeDtypeStruct((8, 3), jnp.float32)). (jax.export cannot
-serialize a torch call at any shape: it runs as a host callback, in this process.)"""
+serialize a torch call at any shape: it runs as a host callback, in this process.)
+To export with symbolic dimensions, wrap the function with lowering="xla": it becomes JAX
+ops, which jax.export serializes at symbolic shapes (docs/lowering.md)."""
 
 
 def _refuse_symbolic_dimensions(fn: Any, in_tree: Any, statics: tuple, avals: tuple) -> None:

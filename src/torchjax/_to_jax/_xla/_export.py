@@ -36,7 +36,8 @@ lowering="xla": torch.export cannot capture {name}{where}:
 lowering="xla" turns the torch ops of one traced run into JAX ops, so the function must run
 the same ops whatever its inputs' values: no Python branch on a tensor's value (`if x.sum() >
 0:`), no .item() or .tolist() that decides what runs next. Rewrite such code with torch.where
-or torch.cond, or use lowering="callback" (the default), which runs any torch code."""
+(torch.cond is captured, but lowering="xla" has no lowering for it yet), or use
+lowering="callback" (the default), which runs any torch code."""
 
 _EXPRESSION = """\
 lowering="xla": {path} has the symbolic dimension {dim!r}, an expression. torch.export's dims
