@@ -30,7 +30,7 @@ import fuzz_programs as fp
 import pytest
 from hypothesis import HealthCheck, Phase, find, given, seed, settings
 
-CI_EXAMPLES = 40  # ~3 minutes for the file on the 2-core CI machine (CONTRIBUTING.md)
+CI_EXAMPLES = 40  # ~4-6 minutes for the file on the 2-core CI machine (CONTRIBUTING.md)
 EXAMPLES = int(os.environ.get("TORCHJAX_FUZZ_EXAMPLES", CI_EXAMPLES))
 SEED = os.environ.get("TORCHJAX_FUZZ_SEED")
 
