@@ -1,5 +1,6 @@
 """Wrapped torch functions inside jax.shard_map: 4 host devices, then 2 processes (subprocesses)."""
 
+import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -51,4 +52,6 @@ def test_sharded_inputs_at_realistic_sizes_run_torch_once_per_call():
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     assert result.stdout.count("once per call") == 5, result.stdout
+    if importlib.util.find_spec("torchax") is not None:  # lowering="xla" beside it
+        assert result.stdout.count("shard_map; xla: ok") == 5, result.stdout
     assert "a slow call (SVD) and calls that draw" in result.stdout, result.stdout
