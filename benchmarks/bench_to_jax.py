@@ -31,7 +31,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchjax
-from torchjax import _convert
+from torchjax import _x64
 from torchjax._compat._jax import dlpack_export, dlpack_import
 from torchjax._compat._torch import cpu_array_from_tensor
 from torchjax._to_jax._call import _huge_pages as _huge_pages
@@ -301,11 +301,11 @@ def measure() -> list[Table]:
 
 def _unwidened(fn, *args):
     """fn(*args) as with TORCHJAX_WIDEN_INT32=0 (read at each call; set at import)."""
-    _convert.WIDEN_INT32 = False
+    _x64.WIDEN_INT32 = False
     try:
         return fn(*args)
     finally:
-        _convert.WIDEN_INT32 = True
+        _x64.WIDEN_INT32 = True
 
 
 def _in(grad_mode, fn, x):

@@ -1082,7 +1082,7 @@ _MIXED_JVP = (
 def _no_single_jvp_reference(program: Program) -> bool:
     """Whether lowering="xla"'s JVP of `program` mixes the two references _keys accepts, so
     that neither is its value: a no_grad block lowered as reverse mode sees it (stopped) and
-    scatter_reduce's prod, which runs as a torch callback (CALLBACK_OPS) whose JVP is
+    scatter_reduce's prod, which runs as a torch callback (listed in _xla/_routes.py) whose JVP is
     torch.func.jvp's, wrong for prod in torch 2.13. Each part is checked alone."""
     return "torch.no_grad()" in program.source and "reduce='prod'" in program.source
 

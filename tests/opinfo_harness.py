@@ -31,8 +31,8 @@
 #                 flow or output shapes), so lowering="xla" does not apply
 #
 # A mismatch names its culprits (the lowered ATen ops that, run as callbacks instead, make
-# the sample pass); where the graph holds ops listed in CALLBACK_OPS, `unneeded` names those
-# that agree with torch when lowered after all (stale entries).
+# the sample pass); where the graph holds ops listed as callbacks (_xla/_routes.py),
+# `unneeded` names those that agree with torch when lowered after all (stale entries).
 from __future__ import annotations
 
 import contextlib
@@ -144,7 +144,7 @@ class Result:
     profile: str = ""
     lowering: str = "callback"
     # lowering="xla" only, over the samples run: the ATen ops lowered to JAX ops, those run
-    # as callbacks ("op: why"), the mismatch's culprits, and the CALLBACK_OPS entries in the
+    # as callbacks ("op: why"), the mismatch's culprits, and the listed callbacks in the
     # graph that agree with torch when lowered (`unneeded`) or do not (`needed`).
     lowered: tuple[str, ...] = ()
     callbacks: tuple[str, ...] = ()
@@ -800,25 +800,27 @@ MAX_CULPRIT_TRIALS = 8  # lowered ATen ops tried one at a time as callbacks, per
 
 
 def listed_callback_ops() -> frozenset[str]:
-    """CALLBACK_OPS as the source lists it: the ATen ops lowering="xla" runs as callbacks
-    because their lowering disagrees with torch."""
-    from torchjax._to_jax._xla._callback_ops import CALLBACK_OPS
+    """The ATen ops _xla/_routes.py runs as callbacks under lowering="xla" because their
+    lowering disagrees with torch."""
+    from torchjax._to_jax._xla._routes import listed_callbacks
 
-    return CALLBACK_OPS
+    return listed_callbacks()
 
 
 @contextlib.contextmanager
 def _callback_ops(ops: frozenset[str]) -> Iterator[None]:
-    """`ops` in place of CALLBACK_OPS while a program is lowered (the lowering reads that
-    global of its module at each node it lowers, the first time each signature runs)."""
-    from torchjax._to_jax._xla import _program
+    """`ops` in place of the listed callbacks while a program is lowered (the route rules
+    read _routes.POLICIES at each node they route, the first time each signature runs)."""
+    from torchjax._to_jax._xla import _routes
 
-    saved = _program.CALLBACK_OPS
-    _program.CALLBACK_OPS = ops
+    saved = _routes.POLICIES
+    kept = {op: p for op, p in saved.items() if p.kind != _routes.CALLBACK}
+    listed = {op: _routes.OpPolicy(op, _routes.CALLBACK, "listed by the sweep") for op in ops}
+    _routes.POLICIES = {**kept, **listed}
     try:
         yield
     finally:
-        _program.CALLBACK_OPS = saved
+        _routes.POLICIES = saved
 
 
 def _routes(fj: Callable) -> tuple[set[str], set[str]]:

@@ -344,10 +344,10 @@ def _wrong_sin_lowering(monkeypatch):
 
 
 def _list_callback_ops(monkeypatch, ops):
-    from torchjax._to_jax._xla import _callback_ops, _program
+    from torchjax._to_jax._xla import _routes
 
-    monkeypatch.setattr(_callback_ops, "CALLBACK_OPS", frozenset(ops))
-    monkeypatch.setattr(_program, "CALLBACK_OPS", frozenset(ops))
+    listed = {op: _routes.OpPolicy(op, _routes.CALLBACK, "listed by the test") for op in ops}
+    monkeypatch.setattr(_routes, "POLICIES", {**_routes.POLICIES, **listed})
 
 
 @xla_needed
@@ -382,7 +382,7 @@ def test_xla_stale_entry_is_reported(monkeypatch, fresh_sin):
 
 
 def _program_listed():
-    from torchjax._to_jax._xla._program import LISTED
+    from torchjax._to_jax._xla._routes import LISTED
 
     return LISTED
 

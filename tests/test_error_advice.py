@@ -297,7 +297,7 @@ def test_int32_pivots_stay_int32_for_the_ops_that_want_them(jit, x64_off):
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("op", sorted(INT64_OPS))
 def test_int32_indices_without_widening_get_the_x64_note(op, jit, x64_off, monkeypatch):
-    monkeypatch.setattr(torchjax._convert, "WIDEN_INT32", False)  # TORCHJAX_WIDEN_INT32=0
+    monkeypatch.setattr(torchjax._x64, "WIDEN_INT32", False)  # TORCHJAX_WIDEN_INT32=0
     fn, ref = INT64_OPS[op]
     f = torchjax.to_jax(fn)
     x, i = jnp.linspace(0.0, 1.0, 6), jnp.array([0, 1])

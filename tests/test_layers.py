@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -17,7 +18,7 @@ SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
 LAYERS = [
     ("torchjax._version", "torchjax._errors", "torchjax.errors", "torchjax._compat"),
     ("torchjax._log",),
-    ("torchjax._convert",),
+    ("torchjax._convert", "torchjax._x64"),
     ("torchjax._primitive",),
     ("torchjax._to_jax._options", "torchjax._to_jax._context", "torchjax._to_jax._hooks"),
     ("torchjax._to_jax._call", "torchjax._to_jax._hot"),
@@ -194,3 +195,38 @@ def test_a_calls_ambient_state_lives_in_context_alone():
                     spread[str(path.relative_to(SRC))] = state
     assert not spread, f"ambient state outside _to_jax/_context.py: {spread}"
     assert "FAKE_RUN_LOCK" in _ambient_state(SRC / "torchjax" / "_to_jax" / "_context.py")
+
+
+LONG = 450  # lines: a module longer than this says why in its banner
+
+
+def _banner(path: pathlib.Path) -> str:
+    lines = path.read_text().splitlines()
+    return "\n".join(line for line in lines[: lines.index("from __future__ import annotations")])
+
+
+def test_a_long_module_says_why_in_its_banner():
+    unexplained = []
+    for path in sorted((SRC / "torchjax").rglob("*.py")):
+        if "_compat" in path.parts or len(path.read_text().splitlines()) <= LONG:
+            continue
+        if not re.search(r"Over \d+ lines", _banner(path)):
+            unexplained.append(str(path.relative_to(SRC)))
+    assert not unexplained, f"over {LONG} lines without a banner that says why: {unexplained}"
+
+
+def test_the_xla_front_end_sits_in_its_layer():
+    # The route table and the x64 policy: the table is the xla front end's, the policy
+    # lies below both front ends.
+    graph = _graph()
+    routes = "torchjax._to_jax._xla._routes"
+    assert _layer(routes) == _layer("torchjax._to_jax._xla._program")
+    assert routes in graph["torchjax._to_jax._xla._program"]
+    assert "torchjax._x64" in graph["torchjax._to_jax._xla._program"]
+    assert "torchjax._x64" in graph["torchjax._to_jax._call._plan"]
+    assert _layer("torchjax._x64") < _layer("torchjax._to_jax._call._plan")
+    # The callback path's plan does not reach the xla front end, nor module_to_jax's
+    # variables contract its copies.
+    assert not any(m.startswith("torchjax._to_jax._xla") for m in graph["torchjax._x64"])
+    assert "torchjax._module_to_jax._copies" not in graph["torchjax._module_to_jax._variables"]
+    assert "torchjax._module_to_jax._copies" not in graph["torchjax._module_to_jax._xla_module"]

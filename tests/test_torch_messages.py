@@ -306,3 +306,52 @@ def test_expects_tensor_and_not_differentiable_input():
     )
     assert _messages.not_differentiable_input(error), error
     assert not _messages.not_differentiable_input(ValueError("the function's own"))
+
+
+def _backward(f, *inputs):
+    def run():
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        f(*leaves).sum().backward()
+
+    return run
+
+
+def _in_place_into_leaf():
+    torch.ones(2, requires_grad=True).add_(1)
+
+
+GRAD_REFUSALS = {
+    "is not differentiable with respect to argument": lambda: torch.nn.functional.nll_loss(
+        torch.zeros(1, 3), torch.tensor([1]), weight=torch.ones(3, requires_grad=True)
+    ),
+    "a leaf Variable that requires grad is being used in an in-place operation": (
+        _in_place_into_leaf
+    ),
+    "does not support automatic differentiation": lambda: torch.nn.functional.silu(
+        torch.ones(2, dtype=torch.complex64, requires_grad=True)
+    ),
+    "is not implemented": _backward(torch.igamma, torch.ones(3) + 1, torch.ones(3) + 1),
+}
+
+VIEW_REFUSALS = {
+    "view size is not compatible": lambda: torch.ones(2, 3).t().view(6),
+    "Cannot view a tensor with shape": _fake(lambda x: x.reshape(2, 2).t().view(4)),
+}
+
+
+def test_every_capture_refusal_phrase_has_its_case_here():
+    assert set(GRAD_REFUSALS) == set(_messages.GRAD_REFUSAL_PHRASES)
+    assert set(VIEW_REFUSALS) == set(_messages.VIEW_REFUSAL_PHRASES)
+
+
+@pytest.mark.parametrize("phrase", sorted(GRAD_REFUSALS))
+def test_grad_refusal_phrase(phrase):
+    error = _raised(GRAD_REFUSALS[phrase])
+    assert phrase in str(error) and _messages.refuses_grad(error)
+
+
+@pytest.mark.parametrize("phrase", sorted(VIEW_REFUSALS))
+def test_view_refusal_phrase(phrase):
+    error = _raised(VIEW_REFUSALS[phrase])
+    assert phrase in str(error) and _messages.refuses_view(error)
+    assert not _messages.refuses_grad(error)

@@ -7,7 +7,8 @@
 # Then the same ops through to_jax(..., lowering="xla") under harness.XLA_TRANSFORMS, within
 # harness.XLA_TOLERANCES: per op, whether torch.export captured it and which of its ATen ops
 # were lowered or ran as callbacks. A lowered ATen op that disagrees with torch belongs in
-# CALLBACK_OPS (src/torchjax/_to_jax/_xla/_callback_ops.py): any xla mismatch fails the
+# the route table as a CALLBACK policy (src/torchjax/_to_jax/_xla/_routes.py): any xla
+# mismatch fails the
 # sweep, and its culprits (the ops whose callback makes it pass) are what to list. A listed
 # op that agrees with torch when lowered wherever it occurs is stale: that fails the full
 # sweep too (not --ci nor --ops, which see only some of the ops that may need it).
@@ -244,7 +245,7 @@ OP_CLASSES = ("fully lowered", "fell back", harness.UNCAPTURABLE, "no applicable
 
 
 def _listed_status(xla: list[harness.Result]) -> dict[str, tuple[list[str], bool]]:
-    """Per CALLBACK_OPS entry: (where lowering it disagrees with torch, "profile op
+    """Per listed callback: (where lowering it disagrees with torch, "profile op
     transform: max error", and whether any graph of the sweep holds it)."""
     status = {}
     for op in sorted(harness.listed_callback_ops()):
@@ -260,7 +261,7 @@ def _listed_status(xla: list[harness.Result]) -> dict[str, tuple[list[str], bool
 
 
 def _stale(xla: list[harness.Result]) -> list[str]:
-    """CALLBACK_OPS entries that some graph holds and that agree with torch, lowered, in
+    """Listed callbacks that some graph holds and that agree with torch, lowered, in
     every such graph."""
     return [op for op, (needed, seen) in _listed_status(xla).items() if seen and not needed]
 
@@ -279,8 +280,8 @@ def _xla_report(xla: list[harness.Result], args: argparse.Namespace) -> list[str
         "",
         'The same ops through `to_jax(..., lowering="xla")`: each sample `torch.export`ed, each',
         "ATen node of its graph lowered to JAX ops through the op table (torchax) or, where it",
-        "has no lowering, its lowering raised, or it is listed in `CALLBACK_OPS`",
-        "(`src/torchjax/_to_jax/_xla/_callback_ops.py`), run as a torch callback. Transforms:",
+        "has no lowering, its lowering raised, or the route table lists it as a callback",
+        "(`src/torchjax/_to_jax/_xla/_routes.py`), run as a torch callback. Transforms:",
         f"{', '.join(harness.XLA_TRANSFORMS)}; {len(ops)} ops, {len(xla)} (op, transform, "
         f"profile) triples: {mode}.",
         "",
@@ -302,7 +303,7 @@ def _xla_report(xla: list[harness.Result], args: argparse.Namespace) -> list[str
         "that depends on the values (`nonzero`, `unique`; a `ShapeInferenceError`), so",
         'lowering="xla" does not apply; not a failure. A mismatch or an error fails the sweep:',
         "a mismatch's culprits (the lowered ATen ops that, run as callbacks, make it pass) go",
-        "into `CALLBACK_OPS`.",
+        "into the route table as `CALLBACK` policies.",
         "",
     ]
     lines += _profile_counts(xla, profiles, XLA_STATUSES)
@@ -371,12 +372,12 @@ def _xla_report(xla: list[harness.Result], args: argparse.Namespace) -> list[str
     status = _listed_status(xla)
     lines += [
         "",
-        f"### CALLBACK_OPS ({len(status)})",
+        f"### Listed callbacks ({len(status)})",
         "",
-        "Listed in `src/torchjax/_to_jax/_xla/_callback_ops.py`: lowered, these disagree with",
-        "torch beyond the tolerances above, so they run as torch callbacks. The sweep lowers",
-        "each one alone where a passing sample's graph holds it; where it then agrees with",
-        "torch everywhere, it is stale.",
+        "`CALLBACK` policies of `src/torchjax/_to_jax/_xla/_routes.py`: lowered, these",
+        "disagree with torch beyond the tolerances above, so they run as torch callbacks.",
+        "The sweep lowers each one alone where a passing sample's graph holds it; where it",
+        "then agrees with torch everywhere, it is stale.",
         "",
         "| ATen op | where lowering it disagrees: max abs error | state |",
         "|---|---|---|",
@@ -620,7 +621,7 @@ def main() -> int:
     stale_fails = bool(stale) and not args.ci and not args.ops and len(profiles) == 2
     if stale:
         print(
-            f"stale CALLBACK_OPS entries (lowered, they agree with torch wherever a graph of "
+            f"stale listed callbacks (lowered, they agree with torch wherever a graph of "
             f"this sweep holds them){'' if stale_fails else ', not failing a partial sweep'}: "
             + ", ".join(stale)
         )

@@ -6,11 +6,11 @@
 # * zero-copy through DLPack wherever XLA accepts the layout; otherwise exactly one copy
 #   (non-contiguous or under-aligned torch views, which XLA cannot alias);
 # * with JAX's x64 mode off, 64-bit values are narrowed to JAX's canonical 32-bit types
-#   (one copy), and values that do not fit raise instead of wrapping or becoming inf;
+#   (one copy), and values that do not fit raise instead of wrapping or becoming inf (the
+#   rest of the x64 policy, int32 inputs and 64-bit arithmetic, is _x64.py's);
 # * tensors that require grad are detached: autograd history does not cross the bridge.
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -28,7 +28,7 @@ from torchjax._compat._jax import (
     uncommitted,
 )
 from torchjax._compat._jax import jax_config as _jax_config
-from torchjax._compat._messages import is_write_refusal, wants_int32
+from torchjax._compat._messages import is_write_refusal
 from torchjax._compat._torch import cpu_array_from_tensor, is_fake
 from torchjax._compat._torch import tensor_from_capsule as _tensor_from_capsule
 from torchjax._errors import ConversionError
@@ -445,52 +445,3 @@ def tree_to_torch(tree: Any) -> Any:
         return x
 
     return jax.tree_util.tree_map_with_path(convert, tree)
-
-
-# -- integer inputs with x64 off ---------------------------------------------------------
-# With x64 off (JAX's default) JAX's integer arrays are int32, while torch's indexing code
-# wants int64 (cross_entropy's targets, gather, scatter, index_select, embedding's ids,
-# PyG's edge_index): an int32 input reaches the user's function as an int64 copy (one copy
-# of a usually small array), and an int64 output is narrowed back as every output is.
-# The few torch ops that want int32 (LU pivots) refuse the copy: a call that fails so runs
-# again on the int32 tensors themselves, and that function's later calls are not widened.
-# TORCHJAX_WIDEN_INT32=0 hands torch the int32 tensor itself (no copy) instead.
-_INT32 = np.dtype(np.int32)
-WIDEN_INT32 = os.environ.get("TORCHJAX_WIDEN_INT32", "1") != "0"
-
-
-def widens(dtypes: Any) -> bool:
-    """Whether a call with inputs of these (numpy or JAX) dtypes hands torch int64 for
-    int32: x64 is off and one of them is int32."""
-    return WIDEN_INT32 and not _x64.value and any(d == _INT32 for d in dtypes)
-
-
-def call_widening(fn: Any, facts: dict, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` with int32 tensors widened (widen_int32), unless `facts`
-    (the user function's) say it keeps int32; a call that fails for wanting int32 runs
-    again on the int32 tensors, and `facts` keep that."""
-    if facts.get("keeps_int32"):
-        return fn(*args, **kwargs)
-    wide_args, wide_kwargs = widen_int32((args, kwargs))
-    if wide_args is args and wide_kwargs is kwargs:
-        return fn(*args, **kwargs)
-    try:
-        return fn(*wide_args, **wide_kwargs)
-    except Exception as e:
-        if not wants_int32(e):
-            raise
-    facts["keeps_int32"] = True
-    return fn(*args, **kwargs)
-
-
-def widen_int32(tree: Any) -> Any:
-    """`tree` with its int32 tensors as int64 copies, where x64 is off (see above)."""
-    if not WIDEN_INT32 or _x64.value:
-        return tree
-    leaves, structure = jax.tree_util.tree_flatten(tree)
-    if not any(isinstance(x, torch.Tensor) and x.dtype is torch.int32 for x in leaves):
-        return tree
-    return jax.tree_util.tree_unflatten(
-        structure,
-        [x.long() if isinstance(x, torch.Tensor) and x.dtype is torch.int32 else x for x in leaves],
-    )

@@ -403,7 +403,7 @@ def register_dce(primitive: Any, rule: Any) -> bool:
     if DCE_CONVENTION == "used_outs":
         _dce_rules[primitive] = rule
     elif DCE_CONVENTION == "live_ins":
-        _dce_rules[primitive] = lambda used_outs, live_ins, eqn: rule(used_outs, eqn)
+        _dce_rules[primitive] = lambda used_outs, _live_ins, eqn: rule(used_outs, eqn)
     return DCE_CONVENTION is not None
 
 

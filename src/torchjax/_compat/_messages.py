@@ -191,7 +191,7 @@ WANTS_INT64_PHRASES = (
     "only applicable to index tensor of type longtensor",  # one_hot
 )
 # And the few that want int32 (LU pivots): a call handed int64 copies of int32 inputs
-# (x64 off, _convert.widen_int32) that fails so runs again on the int32 tensors themselves.
+# (x64 off, _x64.widen_int32) that fails so runs again on the int32 tensors themselves.
 WANTS_INT32_PHRASES = (
     "should be a tensor of scalar type torch.int32",  # lu_solve's pivots
     "tensor of torch.int32 dtype",  # lu_unpack's pivots
@@ -307,3 +307,27 @@ NO_MATCHING_SIGNATURE = "incompatible function arguments"
 
 def matches_no_signature(error: BaseException) -> bool:
     return isinstance(error, TypeError) and NO_MATCHING_SIGNATURE in str(error)
+
+
+# -- lowering="xla": what the capture and its decomposition refuse ------------------------
+# torch's refusals of an input requiring grad (torch.export runs the function with its
+# floating inputs requiring grad): the capture then runs without.
+GRAD_REFUSAL_PHRASES = (
+    "is not differentiable with respect to argument",  # nll_loss's weight
+    "a leaf Variable that requires grad is being used in an in-place operation",
+    "does not support automatic differentiation",  # silu of a complex input
+    "is not implemented",  # "the derivative for 'igamma: input' is not implemented"
+)
+
+
+def refuses_grad(error: BaseException) -> bool:
+    return any(phrase in str(error) for phrase in GRAD_REFUSAL_PHRASES)
+
+
+# torch's refusals of a view of a tensor whose strides do not allow it: eager, and as its
+# decompositions and fake tensors say it.
+VIEW_REFUSAL_PHRASES = ("view size is not compatible", "Cannot view a tensor with shape")
+
+
+def refuses_view(error: BaseException) -> bool:
+    return any(phrase in str(error) for phrase in VIEW_REFUSAL_PHRASES)

@@ -424,7 +424,6 @@ profiler_enabled = or_(
 
 
 # Fake tensors: output shapes without data (_fake/_run.py, _module_to_jax.py, _convert.py).
-fake_tensor = private("torch._subclasses.fake_tensor")
 FakeTensorMode = private("torch._subclasses.fake_tensor.FakeTensorMode")
 is_fake = private("torch._subclasses.fake_tensor.is_fake")
 unset_fake_temporarily = private("torch._subclasses.fake_tensor.unset_fake_temporarily")

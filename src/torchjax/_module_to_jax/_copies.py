@@ -26,7 +26,6 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from torchjax._compat._torch import (
@@ -37,7 +36,7 @@ from torchjax._compat._torch import (
     parametrize_cache,
     storage_id,
 )
-from torchjax._errors import StateWarning, VariablesError, warn
+from torchjax._errors import VariablesError
 from torchjax._module_to_jax._aliases import AliasWatch, overlapping
 from torchjax._module_to_jax._closures import rebind_closures
 from torchjax._module_to_jax._placeholders import (
@@ -47,6 +46,7 @@ from torchjax._module_to_jax._placeholders import (
     computed_attributes,
     placeholder,
 )
+from torchjax._module_to_jax._variables import ModuleVariables
 from torchjax._to_jax._context import PARAMETRIZE_LOCK
 from torchjax._to_jax._fake._run import real_mode
 from torchjax._to_jax._fake._snapshots import ModulesSnapshot
@@ -58,7 +58,6 @@ from torchjax._to_jax._torch_ops._residual import (
     rebuild_input_view,
 )
 
-GROUPS = ("params", "buffers")
 _setitem = operator.setitem
 _consume = collections.deque(maxlen=0).extend
 
@@ -86,12 +85,6 @@ def _slot_tables(module: torch.nn.Module, param_names: list, buffer_names: list)
         for table, names in ((module_parameters, param_names), (module_buffers, buffer_names))
         for owner, key, _ in names
     ]
-
-
-def _buffers(names: list, lacking: bool = False) -> str:
-    """ "a buffer" or "3 buffers" (that variables lacks)."""
-    counted = "a buffer" if len(names) == 1 else f"{len(names)} buffers"
-    return counted + (" that variables lacks" if lacking else "")
 
 
 class ModuleCopy(HeldState):
@@ -230,8 +223,9 @@ _COPY_FAILED = (
 )
 
 
-class ModuleState:
-    """The named tensors of `module`, where they sit, and the copies calls run in.
+class ModuleState(ModuleVariables):
+    """The named tensors of `module`, where they sit, and the copies calls run in (the
+    callback path's).
 
     Args:
       module: the module whose forward runs (for a compiled module, its ``_orig_mod``).
@@ -239,9 +233,7 @@ class ModuleState:
     """
 
     def __init__(self, module: torch.nn.Module, compiled: Any = None):
-        self.module = module
-        self.params = dict(module.named_parameters())
-        self.buffers = dict(module.named_buffers())
+        super().__init__(module, compiled)
         param_names = _slot_names(module, module.named_parameters)
         buffer_names = _slot_names(module, module.named_buffers)
         self.slot_names = [name for _, _, name in param_names + buffer_names]
@@ -251,11 +243,6 @@ class ModuleState:
         for j, (_, _, name) in enumerate(buffer_names, self.n_params):
             first.setdefault(name, j)
         self.buffer_reads = list(first.items())
-        self.shapes = {
-            "params": {k: tuple(v.shape) for k, v in self.params.items()},
-            "buffers": {k: tuple(v.shape) for k, v in self.buffers.items()},
-        }
-        self.submodules = list(module.modules())
         # Parameters and buffers that are views of one another: a write into one is
         # refused (_aliases.py). None for the usual module, which has none.
         pairs = overlapping({**self.params, **self.buffers})
@@ -288,9 +275,6 @@ class ModuleState:
             if d[key] is not empty:
                 d[key] = torch.empty(empty.shape, dtype=empty.dtype, device="meta")
         self.pool = CopyPool(template, compiled, param_names, buffer_names, empties)
-        self.warned: set[str] = set()
-        # Buffer name -> the other shapes mutable=True calls returned for it (see check).
-        self.grown: dict[str, set[tuple]] = {}
         # The parametrize.cached() keys of the module's parametrized tensors (see call).
         self.parametrized = [
             (id(m), name)
@@ -298,10 +282,6 @@ class ModuleState:
             if isinstance(getattr(m, "parametrizations", None), torch.nn.ModuleDict)
             for name in m.parametrizations
         ]
-
-    def training(self) -> tuple[bool, ...]:
-        """The mode of every submodule (train()/eval() may be set per submodule)."""
-        return tuple([m.training for m in self.submodules])
 
     def slot_values(self, params: Mapping, buffers: Mapping) -> list:
         """The tensor for every slot (parameters first) from the variables' two groups."""
@@ -362,38 +342,6 @@ class ModuleState:
         if reassigned:
             self.warn_dropped(reassigned, "reassigned")
 
-    def warn_dropped(self, names: list[str], how: str, new: bool = False) -> None:
-        """One StateWarning for the buffers `names` a call dropped (each named once per
-        apply): a model with ten BatchNorm layers in train mode gets one warning, not 30."""
-        names = [n for n in names if n not in self.warned]
-        if not names:
-            return
-        self.warned.update(names)
-        listed = ", ".join(repr(n) for n in names)
-        module = type(self.module).__name__
-        if new:
-            warn(
-                f"{module}'s forward {how} {_buffers(names, lacking=True)}: {listed}. "
-                f"mutable=True returns the buffers the module had when module_to_jax was "
-                f"called, so these are "
-                f"dropped and the next call starts without them. To carry one from call to "
-                f"call, register it in __init__ (before module_to_jax), with its initial "
-                f"value.",
-                StateWarning,
-            )
-            return
-        first = names[0]
-        warn(
-            f"{module}'s forward {how} {_buffers(names)}: {listed}. With mutable=False "
-            f"apply is a pure function of its variables, so the new values are dropped and "
-            f"the next call sees variables['buffers'][{first!r}] and the others again. To "
-            f"keep them, call apply(variables, ..., mutable=True), which returns (output, "
-            f"new_buffers), and pass the new buffers to the next call; for inference, where "
-            f"they should not change (BatchNorm's running statistics), call module.eval() "
-            f"before apply.",
-            StateWarning,
-        )
-
     def fake_call(self, args: tuple, kwargs: dict, values: list, read_buffers: bool) -> Any:
         """forward on fake tensors, in a copy of its own that is thrown away afterwards."""
         module = self.pool.fresh()
@@ -421,13 +369,6 @@ class ModuleState:
                 self.grown.setdefault(name, set()).add(shape)
         return buffers
 
-    def check(self, module_name: str, params: Any, buffers: Any) -> None:
-        """Raise VariablesError unless `params`/`buffers` have exactly the module's names
-        and shapes. Their leaves need only ``.shape`` (tensors, fakes, ShapeDtypeStructs)."""
-        for group, given in zip(GROUPS, (params, buffers), strict=True):
-            grown = self.grown if group == "buffers" else {}
-            _check_group(module_name, group, given, self.shapes[group], grown)
-
 
 class _OneUse:
     """The pool of a fake run's copy: it is never given back, and runs uncompiled."""
@@ -441,34 +382,3 @@ class _OneUse:
 
     def give_back(self, c: ModuleCopy) -> None:
         pass
-
-
-def _check_group(
-    module_name: str, group: str, given: Any, expected: dict[str, tuple], grown: dict
-) -> None:
-    if not isinstance(given, Mapping):
-        raise VariablesError(
-            f"variables[{group!r}] must be a mapping of names to arrays (a dict, or a "
-            f"registered pytree Mapping), got {type(given).__name__}. Use the variables "
-            f"returned by module_to_jax(module)."
-        )
-    missing = [k for k in expected if k not in given]
-    extra = [k for k in given if k not in expected]
-    if missing or extra:
-        raise VariablesError(
-            f"variables[{group!r}] does not match {module_name}: missing {missing}, "
-            f"unexpected {extra}. Use the variables returned by module_to_jax(module) (and "
-            f"keep their keys when updating them)."
-        )
-    for k, shape in expected.items():
-        got = tuple(np.shape(given[k]))
-        if got != shape and got not in grown.get(k, ()):
-            also = ""
-            if grown.get(k):
-                shapes = ", ".join(str(list(g)) for g in sorted(grown[k]))
-                also = f" (or a shape a mutable=True call returned for it: {shapes})"
-            raise VariablesError(
-                f"variables[{group!r}][{k!r}] has shape {list(got)}, but {module_name} "
-                f"expects {list(shape)}{also}. Pass the arrays module_to_jax returned, or "
-                f"those a mutable=True call returned for them."
-            )

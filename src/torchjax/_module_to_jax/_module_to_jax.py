@@ -37,6 +37,7 @@ from torchjax._errors import ArgumentError, VariablesError
 from torchjax._log import logger
 from torchjax._module_to_jax._copies import ModuleState
 from torchjax._module_to_jax._move import move_out
+from torchjax._module_to_jax._variables import ModuleVariables
 from torchjax._module_to_jax._xla_module import ModuleLowering
 from torchjax._primitive._params import ARRAY
 from torchjax._to_jax._call._guard import same_bytes
@@ -105,9 +106,11 @@ class _Apply:
         # A compiled module's copies run compiled; fake runs use the original, which also
         # names the variables (without the `_orig_mod.` prefix).
         compiled = module if original is not None else None
-        self.state = ModuleState(original if original is not None else module, compiled)
-        self.name = type(self.state.module).__name__
         self.lowering = options.get("lowering", "callback")
+        # (lowering="xla" runs no copy of the module: the variables contract is all it needs)
+        state = ModuleVariables if self.lowering == "xla" else ModuleState
+        self.state = state(original if original is not None else module, compiled)
+        self.name = type(self.state.module).__name__
         self.options = {k: v for k, v in options.items() if k != "lowering"}
         self.result_shape_dtypes = result_shape_dtypes
         self.lowered: ModuleLowering | None = None
@@ -528,7 +531,7 @@ class ModuleFunction:
 
     def __reduce__(self) -> tuple:
         impl = self._impl
-        compiled = impl.state.pool.compiled  # (not `or`: a compiled module's len() may raise)
+        compiled = impl.state.compiled  # (not `or`: a compiled module's len() may raise)
         module = impl.state.module if compiled is None else compiled
         options = {**impl.options, "lowering": impl.lowering}
         return _rebuilt, (module, options, impl.result_shape_dtypes)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from torchjax._module_to_jax._copies import ModuleState
+from torchjax._module_to_jax._variables import ModuleVariables
 from torchjax._to_jax._options import Options
 from torchjax._to_jax._to_jax import op_callback
 from torchjax._to_jax._xla._function import Lowered
@@ -34,7 +34,7 @@ def _shell(module: torch.nn.Module) -> torch.nn.Module:
 class ModuleLowering:
     """One Lowered per mode of the submodules (torch.export traces the mode it finds)."""
 
-    def __init__(self, state: ModuleState, options: Options, describe: Callable[[tuple], str]):
+    def __init__(self, state: ModuleVariables, options: Options, describe: Callable[[tuple], str]):
         self.state, self.options, self.describe = state, options, describe
         self.name = type(state.module).__name__
         self.module = _shell(state.module)  # the copy torch.export traces

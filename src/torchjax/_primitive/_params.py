@@ -3,6 +3,7 @@
 # Split from _core.py so the class there reads as bind plus one adapter per rule.
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -194,14 +195,32 @@ def arg_path(path: tuple) -> str:
     return "args" + _tree.keystr(path)
 
 
-def check_hashable(value: Any, where: str) -> None:
+@functools.lru_cache(maxsize=1024)
+def leaf_paths(tree: Any) -> list[tuple]:
+    """The key path of every leaf of a treedef, in flattening order (for messages)."""
+    dummy = _tree.tree_unflatten(tree, range(tree.num_leaves))
+    return [p for p, _ in _tree.tree_flatten_with_path(dummy)[0]]
+
+
+def call_path(path: tuple) -> str:
+    """A key path into a call's (args, kwargs) as the user wrote the call: `args[0]['a']`,
+    `kwargs['k']`."""
+    head = "args" if path[0].idx == 0 else "kwargs"
+    return head + _tree.keystr(tuple(path[1:]))
+
+
+def check_hashable(
+    value: Any, where: str, takes: str = "Non-array leaves are static values"
+) -> None:
+    """A StaticArgumentError naming `where` for an unhashable static leaf; `takes` says who
+    takes non-array leaves as static values."""
     try:
         hash(value)
     except TypeError:
         raise StaticArgumentError(
             f"{where} is a {type(value).__name__}, which is neither an array nor hashable. "
-            f"Non-array leaves are static values and must be hashable (they become part of "
-            f"the jit cache key). Pass it as an array, or as a tuple/frozenset instead."
+            f"{takes}, which must be hashable (they are part of the jit cache key). Pass it "
+            f"as an array, or as a tuple/frozenset instead."
         ) from None
 
 

@@ -16,6 +16,7 @@ from torchjax._compat._torch import any_autocast, autocast_state
 from torchjax._convert import is_array
 from torchjax._errors import ArgumentError, StaticArgumentError
 from torchjax._log import profiled, profiling
+from torchjax._primitive._params import call_path, check_hashable
 from torchjax._to_jax._callables._user import UserFunction
 from torchjax._to_jax._fake._run import function_name
 from torchjax._to_jax._hooks import NO_HOOKS, CallHooks
@@ -29,22 +30,14 @@ from torchjax._to_jax._options import (
     check_lowering,
 )
 from torchjax._to_jax._torch_call import torch_call_p
-from torchjax._to_jax._xla._function import Lowered, call_path, lowered_function
+from torchjax._to_jax._xla._function import Lowered, lowered_function
 
 
 def _raise_unhashable(user: UserFunction, args: tuple, kwargs: dict) -> None:
+    takes = f"to_jax passes non-array leaves to {user.name} as static values"
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
-        if is_array(leaf):
-            continue
-        try:
-            hash(leaf)
-        except TypeError:
-            raise StaticArgumentError(
-                f"{user.arg_path(path)} is a {type(leaf).__name__}, which is neither an array "
-                f"nor hashable. to_jax passes non-array leaves to {user.name} as static values, "
-                f"which must be hashable (they are part of the jit cache key). Pass it as an "
-                f"array, or as a tuple/frozenset instead."
-            ) from None
+        if not is_array(leaf):
+            check_hashable(leaf, user.arg_path(path), takes)
 
 
 @overload

@@ -8,7 +8,9 @@
 # them run through the one `_JaxFunction` autograd.Function, so the rules compose: backward
 # of backward, vmap of grad and jvp of vjp need no special cases. (Plain autograd, with no
 # transform around, takes KeptVjp instead: one forward that keeps JAX's pullback,
-# _kept_vjp.py.) Data crosses through DLPack (`_convert`).
+# _kept_vjp.py.) Data crosses through DLPack (`_convert`). Over 450 lines, most of them
+# to_torch's docstring (the public API's reference) and its messages; the per-signature
+# spec and the hot call live in _spec.py and _hot_call.py.
 from __future__ import annotations
 
 import functools
@@ -30,6 +32,7 @@ from torchjax._compat._torch import (
 )
 from torchjax._convert import canonical_jax_dtype, check_has_data
 from torchjax._errors import ArgumentError, ConversionError, JaxOutputError, StaticArgumentError
+from torchjax._primitive._params import call_path
 from torchjax._to_torch._hot_call import MISS, hot_call
 from torchjax._to_torch._kept_vjp import KeptVjp, keeps_pullback
 from torchjax._to_torch._spec import (
@@ -77,12 +80,6 @@ _BAD_OUTPUT = """\
 to_torch({name}): output{path} is a {kind}; a JAX function called through to_torch must
 return a pytree of arrays, since only arrays can become torch tensors. Return static values
 some other way, e.g. compute them outside the JAX function."""
-
-
-def _arg_path(path: tuple) -> str:
-    """`args[0]['a']` / `kwargs['x']` for a key path into the `(args, kwargs)` pair."""
-    head = "args" if path[0].idx == 0 else "kwargs"
-    return head + _tree.keystr(path[1:])
 
 
 # How torch.compile passes what jax's pytrees cannot take as they are: containers as fx's
@@ -222,7 +219,7 @@ _ARRAY_LIKE = (jax.Array, np.ndarray, np.generic, int, float, complex)
 def _check_have_data(name: str, args: tuple, kwargs: dict) -> None:
     """Raise ConversionError naming the first tensor argument with no dense data."""
     for path, leaf in _tree.tree_flatten_with_path((args, kwargs))[0]:
-        check_has_data(leaf, f"to_torch({name}): {_arg_path(path)}")
+        check_has_data(leaf, f"to_torch({name}): {call_path(path)}")
 
 
 def _stop_gradient(leaf: Any) -> Any:
@@ -241,7 +238,7 @@ def _build_spec(
     statics: list[Any] = []
     avals, paths = [], []
     for path, leaf in path_leaves:
-        where = _arg_path(path)
+        where = call_path(path)
         if isinstance(leaf, torch.Tensor):
             try:
                 dtype = canonical_jax_dtype(leaf.dtype)

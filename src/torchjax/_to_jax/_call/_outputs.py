@@ -31,10 +31,11 @@ import jax
 import numpy as np
 import torch
 
-from torchjax._compat._jax import export_type_named
+from torchjax._compat._jax import export_type_named, uncommitted
 from torchjax._compat._torch import is_structseq_class, tensor_from_capsule, torch_pytree
-from torchjax._convert import check_has_data, narrow_checked
+from torchjax._convert import check_has_data, narrow_checked, several_devices, tensor_to_jax
 from torchjax._log import logger
+from torchjax._to_jax._call._guard import owns_memory_alone
 
 _tree = jax.tree_util
 
@@ -222,3 +223,28 @@ def buffer_tensor(buf: Any) -> torch.Tensor:
 def write_all(results: Sequence, outs: Sequence, out_paths: Sequence[str], wrap) -> None:
     for buf, value, where in zip(outs, results, out_paths, strict=True):
         write_output(wrap(buf), value, where)
+
+
+def to_jax_outputs(results: list, paths: list, device: Any = None) -> list:
+    """The flat outputs of an eager call as JAX arrays on `device` (None: JAX's CPU).
+
+    An output is handed over without a copy only where nothing but the output reaches its
+    memory: one that shares it with an input, a closed-over tensor, a parameter, a cache or
+    a view of any of them is copied first, or torch could change the JAX array later.
+    With `device` None (no input committed to a device) and several devices, the outputs
+    are not committed either, as JAX's own results on such inputs.
+    """
+    outs = []
+    for k in range(len(results)):
+        value = results[k]
+        try:
+            if not owns_memory_alone(value, 2):  # our references: the list's and `value`
+                value = value.clone(memory_format=torch.contiguous_format)
+        except RuntimeError:
+            check_has_data(value, paths[k])  # a sparse or meta tensor: say so
+            raise
+        out = tensor_to_jax(value, paths[k], device)
+        if device is None and several_devices(out.platform()):
+            out = uncommitted(out)  # as JAX places an op's result on uncommitted inputs
+        outs.append(out)
+    return outs

@@ -22,7 +22,8 @@ from torchjax._convert import torch_dtype
 from torchjax._errors import (
     AutodiffError,
 )
-from torchjax._to_jax._call._plan import autograd_inside, leaf_paths
+from torchjax._primitive._params import leaf_paths
+from torchjax._to_jax._call._plan import autograd_inside
 from torchjax._to_jax._callables._base import (
     DerivedFunction,
     TypesOf,

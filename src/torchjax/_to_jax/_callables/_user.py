@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import torch
 
-from torchjax import _convert
+from torchjax import _x64
 from torchjax._compat._messages import (
     custom_op_without_fake_kernel,
     is_fake_limit,
@@ -23,14 +23,15 @@ from torchjax._compat._messages import (
     read_a_value,
     wants_int64,
 )
-from torchjax._convert import call_widening, torch_dtype
+from torchjax._convert import torch_dtype
 from torchjax._errors import (
     OutputMismatchError,
     ShapeInferenceError,
     TorchJaxError,
 )
+from torchjax._primitive._params import call_path
+from torchjax._to_jax._call._failures import INT32_NOTE
 from torchjax._to_jax._call._outputs import as_jax_tree
-from torchjax._to_jax._call._plan import INT32_NOTE
 from torchjax._to_jax._callables._base import TorchCallable, TypesOf, _theirs
 from torchjax._to_jax._fake._run import (
     fake_eval,
@@ -40,8 +41,6 @@ from torchjax._to_jax._fake._run import (
 )
 from torchjax._to_jax._hooks import NO_HOOKS, CallHooks
 from torchjax._to_jax._torch_ops._autocast import InAutocast
-
-_tree = jax.tree_util
 
 _tree = jax.tree_util
 
@@ -126,8 +125,8 @@ class UserFunction(TorchCallable):
     parts = ("args", "kwargs")  # bind's: the call as the user wrote it
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        # (x64 off: int32 inputs reach torch as int64, its indices' dtype; see _convert.)
-        return as_jax_tree(call_widening(self.fn, self.facts, *args, **kwargs))
+        # (x64 off: int32 inputs reach torch as int64, its indices' dtype; see _x64.py)
+        return as_jax_tree(_x64.call_widening(self.fn, self.facts, *args, **kwargs))
 
     def arg_path(self, path: tuple) -> str:
         # bind's args are (args, kwargs): report paths as the user wrote the call, or as the
@@ -135,8 +134,7 @@ class UserFunction(TorchCallable):
         describe = self.hooks.describe_path
         if describe is not None:
             return describe(path)
-        head = "args" if path[0].idx == 0 else "kwargs"
-        return head + _tree.keystr(tuple(path[1:]))
+        return call_path(path)
 
     def out_types(self, types_of: TypesOf, args: tuple, kwargs: dict) -> Any:
         del types_of
@@ -181,7 +179,7 @@ class UserFunction(TorchCallable):
     def _fake_types(self, args: tuple) -> Any:
         target = fake_target(self.fn)
         try:
-            call = lambda a, k: as_jax_tree(call_widening(target, self.facts, *a, **k))
+            call = lambda a, k: as_jax_tree(_x64.call_widening(target, self.facts, *a, **k))
             facts = {} if self.hooks.seeded else self.facts
             return fake_eval(
                 call, args, self.name, self.arg_path, self.fn, facts=facts, hooks=self.hooks
@@ -190,7 +188,7 @@ class UserFunction(TorchCallable):
             raise
         except Exception as e:
             if not is_fake_limit(e):
-                if wants_int64(e) and not jax.config.jax_enable_x64 and not _convert.WIDEN_INT32:
+                if wants_int64(e) and not jax.config.jax_enable_x64 and not _x64.WIDEN_INT32:
                     if any(getattr(x, "dtype", None) == np.int32 for x in _tree.tree_leaves(args)):
                         e.add_note(INT32_NOTE)
                 raise _theirs(e, self.name) from None

@@ -254,5 +254,5 @@ class _inside_fake_run:
     def __enter__(self) -> None:
         fake_runs.depth += 1
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *_exc: Any) -> None:
         fake_runs.depth -= 1

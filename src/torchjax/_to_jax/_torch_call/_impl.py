@@ -37,15 +37,13 @@ from torchjax._convert import (
 from torchjax._errors import ConversionError
 from torchjax._primitive._params import ARRAY, eager_type, store
 from torchjax._to_jax import _hot as hot_paths
-from torchjax._to_jax._call._outputs import as_jax_tree
-from torchjax._to_jax._call._plan import (
-    CallPlan,
+from torchjax._to_jax._call._output_checks import (
     fake_output_error,
     materialized,
     number_tensor,
-    plan_for,
-    to_jax_outputs,
 )
+from torchjax._to_jax._call._outputs import as_jax_tree, to_jax_outputs
+from torchjax._to_jax._call._plan import CallPlan, plan_for
 from torchjax._to_jax._callables._base import layout
 from torchjax._to_jax._callables._user import UserFunction, types_key
 from torchjax._to_jax._context import DTYPES_OK, fake_runs

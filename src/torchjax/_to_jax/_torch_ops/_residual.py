@@ -237,7 +237,7 @@ def _write_into(
         return None
     task: list[int] = []
 
-    def mark(grad_outputs: Any) -> None:
+    def mark(_grad_outputs: Any) -> None:
         if not task:  # the roots run first in their own backward, before any nested one
             task.append(current_graph_task_id())
 

@@ -59,7 +59,7 @@ class AutogradFunctions:
             sys.setprofile(self._event)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *_exc: Any) -> None:
         if not self.codes:
             return
         if self.tool is not None:

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import torch
 
+from torchjax._compat._messages import refuses_grad, refuses_view
 from torchjax._compat._torch import is_fake, is_op_overload, op_schema
 from torchjax._convert import torch_dtype
 from torchjax._errors import LoweringError, TorchJaxError
@@ -26,7 +27,8 @@ from torchjax._to_jax._fake._run import output_struct
 from torchjax._to_jax._xla._autograd_functions import AutogradFunctions
 from torchjax._to_jax._xla._gradients import mark_stop_gradients
 from torchjax._to_jax._xla._op_table import OpTable
-from torchjax._to_jax._xla._own_ops import KEPT_WHOLE
+from torchjax._to_jax._xla._routes import decomposed_as, kept_whole
+from torchjax._x64 import widened_dtype
 
 _tree = jax.tree_util
 
@@ -58,7 +60,6 @@ class Captured:
 
     out_tree: Any = None
     constants: dict = dataclasses.field(default_factory=dict)  # leaf index -> value
-    n_tensors: int = 0
     fake_mode: Any = None  # the capture's: what it made and left behind is found by it
     # the torch.autograd.Function classes the run applied: torch.export keeps their
     # forward's ops and drops their backward
@@ -92,7 +93,6 @@ class _Flat(torch.nn.Module):
             i: v for i, v in enumerate(out_leaves) if not isinstance(v, torch.Tensor)
         }
         tensors_out = tuple(v for v in out_leaves if isinstance(v, torch.Tensor))
-        self.captured.n_tensors = len(tensors_out)
         return tensors_out
 
 
@@ -125,8 +125,8 @@ def examples(avals: list, paths: list[str], widen: bool = False) -> tuple[list, 
     for aval, path in zip(avals, paths, strict=True):
         sizes, spec = _dim_spec(tuple(aval.shape), path, dims)
         dtype = torch_dtype(aval.dtype)
-        if widen and dtype == torch.int32:
-            dtype = torch.int64
+        if widen:
+            dtype = widened_dtype(dtype)
         tensors.append(torch.zeros(sizes, dtype=dtype))
         specs.append(spec)
     return tensors, ({"tensors": specs} if any(s is not None for s in specs) else None)
@@ -260,13 +260,9 @@ def _decomposed(
         try:
             return program.run_decompositions(decompositions)
         except (RuntimeError, ValueError) as error:
-            if not any(m in str(error) for m in _VIEW_FAILURES) or not _views_as_reshapes(program):
+            if not refuses_view(error) or not _views_as_reshapes(program):
                 raise
         return program.run_decompositions(decompositions)
-
-
-# torch's refusals of a view of a tensor whose strides do not allow it.
-_VIEW_FAILURES = ("Cannot view a tensor with shape", "view size is not compatible")
 
 
 def _views_as_reshapes(program: torch.export.ExportedProgram) -> bool:
@@ -284,15 +280,6 @@ def _views_as_reshapes(program: torch.export.ExportedProgram) -> bool:
     return bool(views)
 
 
-# torch's refusals of an input requiring grad: then the capture runs without.
-_GRAD_REFUSALS = (
-    "is not differentiable with respect to argument",
-    "a leaf Variable that requires grad is being used in an in-place operation",
-    "does not support automatic differentiation",  # silu of a complex input, say
-    "is not implemented",  # "the derivative for 'X' is not implemented"
-)
-
-
 def _export(flat: _Flat, tensors: list, dynamic: dict | None) -> torch.export.ExportedProgram:
     """torch.export of `flat` with its floating inputs requiring grad, as JAX may
     differentiate any of them: torch code that branches on requires_grad (embedding_bag,
@@ -307,37 +294,22 @@ def _export(flat: _Flat, tensors: list, dynamic: dict | None) -> torch.export.Ex
     try:
         return torch.export.export(flat, (differentiable,), dynamic_shapes=dynamic, strict=False)
     except (RuntimeError, NotImplementedError) as error:
-        if not any(refusal in str(error) for refusal in _GRAD_REFUSALS):
+        if not refuses_grad(error):
             raise
     return torch.export.export(flat, (tensors,), dynamic_shapes=dynamic, strict=False)
 
 
 def _decompositions(table: OpTable) -> Any:
     """torch.export's core ATen decompositions and the op table's, in one table (one run:
-    torch rebuilds its tables on each run, half the time of a capture), less linear's and
-    matmul's, which the op table lowers whole (to one dot). Decomposed, a linear on a
-    non-contiguous 3-D input (MultiheadAttention's in-projection, on its transposed input)
-    becomes expand + bmm:
-    XLA then broadcasts the weight to [L, E, 3E] and runs L small batched dots, which made
-    nn.TransformerEncoderLayer 7x slower than torch eager (docs/benchmarks.md)."""
+    torch rebuilds its tables on each run, half the time of a capture), less the ops
+    _routes.py keeps whole and with its own decompositions in place of torch's."""
     decompositions = torch.export.default_decompositions()
     decompositions.update(table.decompositions)
-    for op in (torch.ops.aten.linear.default, torch.ops.aten.matmul.default):
-        decompositions.pop(op, None)
-    # (aten.detach marks what torch does not differentiate: lowered to stop_gradient)
-    decompositions.pop(torch.ops.aten.detach.default, None)
     for op in list(decompositions.keys()):
-        if str(op) in KEPT_WHOLE:
+        if kept_whole(str(op)):
             decompositions.pop(op)
-    decompositions[torch.ops.aten._embedding_bag_forward_only.default] = _embedding_bag
+    decompositions.update(decomposed_as())
     return decompositions
-
-
-def _embedding_bag(*args: Any, **kwargs: Any) -> Any:
-    """embedding_bag as torch runs it when its weight requires grad. The example tensors
-    of a capture do not, so torch picks _embedding_bag_forward_only, which has no
-    derivative; JAX may differentiate the lowered program, and the two agree on values."""
-    return torch.ops.aten._embedding_bag.default(*args, **kwargs)
 
 
 def _raised_by_user(error: BaseException) -> bool:

@@ -13,14 +13,16 @@ import numpy as np
 
 from torchjax._compat._jax import traceback_boundary
 from torchjax._compat._messages import wants_int32
-from torchjax._convert import canonical_jax_dtype, is_array, torch_dtype, widens
-from torchjax._errors import LoweringError, OutputMismatchError, StaticArgumentError
+from torchjax._convert import canonical_jax_dtype, is_array, torch_dtype
+from torchjax._errors import LoweringError, OutputMismatchError
 from torchjax._log import logger, profiled, profiling, signature, timed
+from torchjax._primitive._params import check_hashable
 from torchjax._to_jax._call._guard import inplace_error
 from torchjax._to_jax._context import LOWERING_LOCK
 from torchjax._to_jax._xla._export import capture, examples
 from torchjax._to_jax._xla._op_table import op_table
 from torchjax._to_jax._xla._program import Program
+from torchjax._x64 import widens
 
 _tree = jax.tree_util
 
@@ -58,15 +60,8 @@ class Lowered:
                 paths.append(path)
                 template.append((True, None))
             else:
-                try:
-                    hash(leaf)
-                except TypeError:
-                    raise StaticArgumentError(
-                        f"{self.describe(path)} is a {type(leaf).__name__}, which is neither "
-                        f"an array nor hashable. {self.name} takes non-array leaves as static "
-                        f"values, which must be hashable (they are part of the jit cache key). "
-                        f"Pass it as an array, or as a tuple/frozenset instead."
-                    ) from None
+                takes = f"{self.name} takes non-array leaves as static values"
+                check_hashable(leaf, self.describe(path), takes)
                 template.append((False, leaf))
         # (a numpy float64 array is float32 to JAX with x64 off: the types JAX will trace)
         types = tuple((tuple(a.shape), canonical_jax_dtype(torch_dtype(a.dtype))) for a in arrays)
@@ -158,12 +153,6 @@ def _without_derivatives(run: Callable, name: str, functions: list[str]) -> Call
         raise LoweringError(message)
 
     return refusing
-
-
-def call_path(path: tuple) -> str:
-    """A path into a call's (args, kwargs) as the user wrote the call: `args[0]['a']`."""
-    head = "args" if path[0].idx == 0 else "kwargs"
-    return head + _tree.keystr(tuple(path[1:]))
 
 
 def lowered_function(fn: Callable, lowered: Lowered, declared: Any = None) -> Callable:

@@ -5,16 +5,19 @@
 # holds only the forward's ops; _autograd_functions.py finds them while capturing, and
 # derivatives of such a program are refused).
 #
-# Graph form: mark_stop_gradients sees the graph torch.export captured, before
-# functionalization and decomposition, as that is the only form where torch's grad mode is
-# still there (decomposition inlines a no_grad block's ops) and where an in-place write is
-# still a write. A value torch does not differentiate gets a marker Program lowers to
-# jax.lax.stop_gradient. The marker must say what torch's autograd says of the *value at
-# that point*: a later in-place write with a differentiated operand (`out =
-# torch.zeros_like(x); out[1:] = 2 * x[:-1]`, the scatter idiom `x.new_zeros(...)
-# .index_add_(...)`) makes the written tensor differentiated again. aten.detach, a view,
-# cannot say that: functionalization replays the view on the written result, and JAX's
-# gradient becomes 0. So a fresh value (not an alias of another) is marked by
+# One pass decides every stop-gradient, and nothing after it does. Graph form:
+# mark_stop_gradients sees the graph torch.export captured, before functionalization and
+# decomposition, as that is the only form where torch's grad mode is still there
+# (decomposition inlines a no_grad block's ops), where an in-place write is still a write,
+# and where each op is the one torch's autograd differentiates (an output its derivative
+# leaves out, once decomposed, is computed by ops JAX would differentiate). A value torch
+# does not differentiate gets a marker that survives decomposition, which Program lowers to
+# jax.lax.stop_gradient (_routes.py's first rule). The marker must say what torch's
+# autograd says of the *value at that point*: a later in-place write with a differentiated
+# operand (`out = torch.zeros_like(x); out[1:] = 2 * x[:-1]`, the scatter idiom
+# `x.new_zeros(...).index_add_(...)`) makes the written tensor differentiated again.
+# aten.detach, a view, cannot say that: functionalization replays the view on the written
+# result, and JAX's gradient becomes 0. So a fresh value (not an alias of another) is marked by
 # torchjax::stop_gradient, a functional copy that functionalization leaves where it is;
 # only an alias keeps aten.detach, which is what torch gives it (torch refuses an in-place
 # write in grad mode into a view made under no_grad).

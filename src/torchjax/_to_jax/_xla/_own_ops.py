@@ -1,12 +1,10 @@
-# The ops whose torch decomposition, or the op table's lowering, JAX differentiates otherwise
-# than torch does (the OpInfo sweep, make conformance, found each): the decompositions keep
-# them whole. Those whose JAX form is a few lines get a lowering of our own, used before the
-# op table's.
+# torchjax's own JAX lowerings of a few ATen ops, used before the op table's (_routes.py
+# lists them, with why): each gives torch's derivatives or takes symbolic sizes where the op
+# table's lowering, or JAX differentiating torch's decomposition, would not.
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -15,7 +13,7 @@ import jax.numpy as jnp
 from torchjax._convert import canonical_jax_dtype
 
 
-def _safe_softmax(x: Any, dim: int, dtype: Any = None) -> Any:
+def safe_softmax(x: Any, dim: int, dtype: Any = None) -> Any:
     """softmax that gives 0, not NaN, on a row of -inf (SDPA's masked rows). Decomposed,
     the row's NaN is masked by a `where`, whose derivative JAX takes through the NaN: torch's
     derivative there is 0, as here (the row is a constant 0)."""
@@ -26,13 +24,13 @@ def _safe_softmax(x: Any, dim: int, dtype: Any = None) -> Any:
     return jnp.where(masked, 0, out)
 
 
-def _log_ndtr(x: Any) -> Any:
+def log_ndtr(x: Any) -> Any:
     """log of the normal CDF with JAX's asymptotic series: its derivative matches torch's at
     extreme inputs, where that of torch's decomposition loses float32 precision."""
     return jax.scipy.special.log_ndtr(x)
 
 
-def _linalg_vector_norm(
+def linalg_vector_norm(
     x: Any, ord: float = 2, dim: Any = None, keepdim: bool = False, dtype: Any = None
 ) -> Any:
     """torch.linalg.vector_norm with torch's derivatives. JAX differentiates the norm's
@@ -107,22 +105,22 @@ def _vector_norm_jvp(ord: float, axes: Any, keepdim: bool, primals: Any, tangent
 
 
 @jax.custom_jvp
-def _nextafter(x: Any, other: Any) -> Any:
+def nextafter(x: Any, other: Any) -> Any:
     """nextafter with torch's derivative, which JAX has none of: 1 along x, 0 along other
     (the step to the next float is a constant almost everywhere)."""
     return jnp.nextafter(x, other)
 
 
-@_nextafter.defjvp
+@nextafter.defjvp
 def _nextafter_jvp(primals: Any, tangents: Any) -> Any:
-    out = _nextafter(*primals)
+    out = nextafter(*primals)
     return out, jnp.broadcast_to(tangents[0], out.shape).astype(out.dtype)
 
 
 _OPEN_END = 2**62  # torch writes an open slice end as 2**63 - 1
 
 
-def _slice_scatter(
+def slice_scatter(
     x: Any, src: Any, dim: int = 0, start: Any = None, end: Any = None, step: int = 1
 ) -> Any:
     """slice_scatter at any size, symbolic ones (jax.export's) included. `x[:, 1:] = v`
@@ -142,27 +140,3 @@ def _slice_scatter(
         end = min(end, size)
     index = tuple(slice(start, end, step) if i == dim else slice(None) for i in range(x.ndim))
     return x.at[index].set(src.astype(x.dtype))
-
-
-OWN_LOWERINGS: dict[str, Callable[..., Any]] = {
-    "aten.slice_scatter.default": _slice_scatter,
-    "aten._safe_softmax.default": _safe_softmax,
-    "aten.special_log_ndtr.default": _log_ndtr,
-    "aten.linalg_vector_norm.default": _linalg_vector_norm,
-    "aten.nextafter.default": _nextafter,
-}
-
-
-# Kept whole for the op table's lowering of the whole op, or, where it has none, for the
-# torch kernel as a callback.
-KEPT_WHOLE: frozenset[str] = frozenset(
-    {
-        *OWN_LOWERINGS,
-        # max_unpool's decomposition scatters with repeated indices: JAX's derivative gives
-        # the gradient to one of the repeated positions, torch's (a gather) to each.
-        "aten.max_unpool2d.default",
-        "aten.max_unpool3d.default",
-        # entr's decomposition is a `where`: its derivative at x < 0 is 0, torch's NaN.
-        "aten.special_entr.default",
-    }
-)

@@ -15,45 +15,25 @@ import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
 from torchjax._compat._torch import (
-    has_value_dependent_size,
-    is_higher_order_op,
     is_op_overload,
-    op_schema,
-    torch_pytree,
 )
-from torchjax._convert import canonical_jax_dtype, tensor_to_jax
+from torchjax._convert import tensor_to_jax
 from torchjax._errors import LoweringError
 from torchjax._log import logger
-from torchjax._to_jax._xla._callback_ops import CALLBACK_OPS
 from torchjax._to_jax._xla._export import Captured
-from torchjax._to_jax._xla._gradients import (
-    differentiable_outputs,
-    stop_gradient_op,
-    user_line,
-)
+from torchjax._to_jax._xla._gradients import user_line
 from torchjax._to_jax._xla._op_table import OpTable
-from torchjax._to_jax._xla._own_ops import OWN_LOWERINGS
-
-_HIGHER_ORDER = """\
-lowering="xla": {name} uses {op}, a torch higher-order op (control flow or a wrapped
-subgraph), which has no lowering yet. Use lowering="callback" (the default) for it."""
-
-_WIDE_FLOAT = """\
-lowering="xla": {name} computes in {dtype} ({ops}{where}) while JAX's x64 mode is off. JAX
-holds no {dtype} value then: lowered, this arithmetic would run in float32, without the
-precision the code asks for (a NaN or inf where torch's result is finite, at worst). Enable
-x64 before the first call, jax.config.update("jax_enable_x64", True), or use
-lowering="callback" (the default), which runs the function in torch at its own precision and
-returns float32 arrays."""
-
-_VALUE_SHAPED = """\
-lowering="xla": {name} makes a tensor whose shape depends on its inputs' values ({op}{where}:
-boolean-mask indexing `x[mask]`, nonzero, masked_select, unique, repeat_interleave by a
-tensor). A lowered program fixes every shape when JAX traces it, so neither JAX ops nor a
-per-op callback can carry that tensor. Rewrite it with fixed shapes (`x[x > 0].sum()` is
-`torch.where(x > 0, x, 0).sum()`), or use lowering="callback" (the default), which runs the
-whole function in torch: eagerly as it is, and under jit with its outputs declared
-(to_jax(fn, result_shape_dtypes=...)) where their shapes do not follow from a fake run."""
+from torchjax._to_jax._xla._routes import (
+    FALLBACKS,
+    OP_TABLE,
+    OWN,
+    REFUSALS,
+    STOP_GRADIENT,
+    GraphContext,
+    route,
+    site,
+)
+from torchjax._x64 import computes_wide_float, narrows, output_dtype, x64_enabled
 
 _SYMBOLIC = """\
 lowering="xla": {op} in {name} runs as a torch callback ({why}), and a torch callback
@@ -65,20 +45,6 @@ at concrete shapes lists each op that runs as a callback and why."""
 class SymbolicCallback(LoweringError):
     """A graph node that would run as a torch callback at symbolic shapes (jax.export's):
     the routes up to it are known, and lowering_report reports them."""
-
-
-_NOT_STRIDED = """\
-lowering="xla": {name} makes a {layout} tensor ({op}). JAX arrays are dense, so neither a
-lowering nor a per-op callback can carry it between ops. Use lowering="callback" (the
-default), which runs the whole function in torch."""
-
-NO_LOWERING = "the op table has no lowering for it"
-TORCH_CODE = "the op table's entry for it runs torch code, not JAX ops"
-RANDOM = (
-    "a random op: without a JAX key it draws from torch's generator, as lowering='callback' "
-    "does (module_to_jax's apply(..., rng=key) lowers it to jax.random)"
-)
-LISTED = "listed in _xla/_callback_ops.py: its lowering disagrees with torch (make conformance)"
 
 
 @dataclasses.dataclass
@@ -164,29 +130,11 @@ class Program:
         # With x64 off JAX holds int64 values as int32: arithmetic the graph does in int64
         # wraps past 2**31 where torch's would not (the callback path raises a
         # ConversionError for an output out of int32's range instead). Named in the report.
+        x64 = x64_enabled()
         self.narrowed = sorted(
-            {op_name(n.target) for n in self.graph.nodes if _narrows(n)}
-            if not jax.config.jax_enable_x64
-            else set()
+            {op_name(n.target) for n in self.graph.nodes if not x64 and narrows(n)}
         )
-        if not jax.config.jax_enable_x64:
-            _refuse_wide_floats(name, self.graph)
-        for node in self.graph.nodes:
-            if has_value_dependent_size(node.meta.get("val")) or _value_shaped(node):
-                where = user_line(node)
-                raise LoweringError(
-                    _VALUE_SHAPED.format(name=name, op=op_name(node.target), where=where)
-                )
-            if is_higher_order_op(node.target):
-                raise LoweringError(_HIGHER_ORDER.format(name=name, op=op_name(node.target)))
-            if node.op == "get_attr":
-                op = f"a submodule ({node.target})"
-                raise LoweringError(_HIGHER_ORDER.format(name=name, op=op))
-            val = node.meta.get("val")
-            if isinstance(val, torch.Tensor) and val.layout != torch.strided:
-                raise LoweringError(
-                    _NOT_STRIDED.format(name=name, op=op_name(node.target), layout=val.layout)
-                )
+        _refuse(name, self.graph, GraphContext(x64=x64))
 
     @property
     def mutated_inputs(self) -> list[int]:
@@ -218,37 +166,28 @@ class Program:
         target = node.target
         if not is_op_overload(target):
             return target(*args, **kwargs)  # operator.getitem, arithmetic on sizes
-        name = op_name(target)
-        if target is torch.ops.aten.detach.default or target is stop_gradient_op():
-            self.routes[node.name] = Route(node.name, name, True)
-            return jax.lax.stop_gradient(args[0])
-        own = OWN_LOWERINGS.get(name)
-        if own is not None and name not in CALLBACK_OPS:
-            self.routes[node.name] = Route(node.name, name, True)
-            return own(*args, **kwargs)
-        op = self.table.lowering(target)
-        if name in CALLBACK_OPS:
-            why = LISTED
-        elif op is None:
-            why = NO_LOWERING
-        elif not op.is_jax_function:
-            why = TORCH_CODE
-        elif op.needs_env and keys is None:
-            why = RANDOM
-        else:
+        where = site(target, self.table.lowering(target), keys is not None)
+        rule = route(where)
+        why = rule.why
+        if rule.route == STOP_GRADIENT:
+            return self._lowered(node, jax.lax.stop_gradient(args[0]))
+        if rule.route == OWN:
+            return self._lowered(node, where.policy.function(*args, **kwargs))
+        if rule.route == OP_TABLE:
+            op = where.entry
             extra = {"env": keys} if op.needs_env else {}
             try:
                 out = op.func(*args, **kwargs, **extra)
             except Exception as error:  # a lowering that cannot take these arguments
-                why = f"its lowering raised {type(error).__name__}: {str(error)[:160]}"
+                message = f"{type(error).__name__}: {str(error)[:160]}"
+                why = FALLBACKS["raised"].format(error=message)
             else:
                 why = _unlike_torch(node, out)
                 if not why:
-                    self.routes[node.name] = Route(node.name, name, True)
-                    return _as_torch_differentiates(node, out)
+                    return self._lowered(node, out)
         if node.name not in self.routes:
-            logger.debug("%s: %s runs as a torch callback: %s", self.name, name, why)
-        self.routes[node.name] = Route(node.name, name, False, why)
+            logger.debug("%s: %s runs as a torch callback: %s", self.name, where.op, why)
+        self.routes[node.name] = Route(node.name, where.op, False, why)
         # (torch.fx's immutable containers are leaves to JAX: plain ones are its pytrees)
         args, kwargs = _plain((args, kwargs))
         shapes = [
@@ -258,8 +197,14 @@ class Program:
         ]
         if shapes:
             shown = ", ".join(str(s).replace("'", "") for s in shapes[:3])
-            raise SymbolicCallback(_SYMBOLIC.format(name=self.name, op=name, why=why, shapes=shown))
+            raise SymbolicCallback(
+                _SYMBOLIC.format(name=self.name, op=where.op, why=why, shapes=shown)
+            )
         return self.callback(target)(*args, **kwargs)
+
+    def _lowered(self, node: torch.fx.Node, out: Any) -> Any:
+        self.routes[node.name] = Route(node.name, op_name(node.target), True)
+        return out
 
 
 def _plain(value: Any) -> Any:
@@ -273,74 +218,35 @@ def _plain(value: Any) -> Any:
     return value
 
 
-# Ops whose output's shape is the count of some input's values: torch.export may have fixed
-# it from the example (a constant mask, a mask of one element), but JAX cannot trace them.
-_VALUE_SHAPED_OPS = frozenset(
-    "nonzero masked_select _unique2 unique_dim unique_consecutive bincount argwhere".split()
-)
-
-
-def _value_shaped(node: torch.fx.Node) -> bool:
-    """Whether `node` makes a tensor whose shape counts values: one of _VALUE_SHAPED_OPS, a
-    repeat_interleave by a tensor, or indexing by a boolean mask."""
-    if node.op != "call_function" or not is_op_overload(node.target):
-        return False
-    op, overload = node.target.__name__.split(".")[0], node.target.__name__.split(".")[-1]
-    if op in _VALUE_SHAPED_OPS or (op == "repeat_interleave" and overload == "Tensor"):
-        return True
-    if op != "index":
-        return False
-    indices = node.args[1] if len(node.args) > 1 else ()
-    metas = [i.meta.get("val") for i in indices if isinstance(i, torch.fx.Node)]
-    return any(isinstance(m, torch.Tensor) and m.dtype == torch.bool for m in metas)
-
-
-_WIDE_FLOATS = (torch.float64, torch.complex128)
-# Ops that move a 64-bit float without computing with it: a conversion, a copy.
-_NOT_ARITHMETIC = frozenset(
-    {"_to_copy", "clone", "copy", "convert_element_type", "_assert_tensor_metadata", "detach"}
-)
-
-
-def _refuse_wide_floats(name: str, graph: torch.fx.Graph) -> None:
-    """With x64 off, a LoweringError where the graph computes with float64 or complex128
-    values (JAX would hold them in 32 bits); a conversion, a copy or a view of one is no
-    computation, so `x.double()` returned, or cast back, lowers."""
-    found: dict[str, list[torch.fx.Node]] = {}
-    for node in graph.nodes:
-        if node.op != "call_function" or not is_op_overload(node.target):
+def _refuse(name: str, graph: torch.fx.Graph, context: GraphContext) -> None:
+    """A LoweringError for the first of _routes.REFUSALS that flags a node of `graph`."""
+    for refusal in REFUSALS:
+        flagged = [n for n in graph.nodes if refusal.applies(n, context)]
+        if not flagged:
             continue
-        inputs = [
-            a.meta.get("val")
-            for a in torch_pytree.tree_leaves((node.args, node.kwargs))
-            if isinstance(a, torch.fx.Node)
-        ]
-        wide = [t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.dtype in _WIDE_FLOATS]
-        if not wide or node.target.__name__.split(".")[0] in _NOT_ARITHMETIC:
-            continue
-        if any(r.alias_info is not None for r in op_schema(node.target).returns):
-            continue  # a view
-        found.setdefault(str(wide[0]).removeprefix("torch."), []).append(node)
-    for dtype, nodes in found.items():
-        ops = ", ".join(dict.fromkeys(op_name(n.target) for n in nodes[:6]))
-        where = next((user_line(n) for n in nodes if user_line(n)), "")
-        raise LoweringError(_WIDE_FLOAT.format(name=name, dtype=dtype, ops=ops, where=where))
+        first = flagged[0]
+        dtype = computes_wide_float(first)
+        if dtype:  # (the ops computing in that dtype)
+            flagged = [n for n in flagged if computes_wide_float(n) == dtype]
+        ops = ", ".join(dict.fromkeys(_describe(n) for n in flagged[:6]))
+        where = next((user_line(n) for n in flagged if user_line(n)), "")
+        val = first.meta.get("val")
+        raise LoweringError(
+            refusal.message.format(
+                name=name,
+                op=_describe(first),
+                ops=ops,
+                where=where,
+                dtype=dtype,
+                layout=getattr(val, "layout", ""),
+            )
+        )
 
 
-# Ops whose int64 result can leave the range of their inputs (so int32 arithmetic can wrap
-# where int64 would not); moving, selecting and comparing values cannot.
-_ARITHMETIC = frozenset(
-    "add sub rsub mul div floor_divide remainder fmod pow neg abs square sum prod cumsum "
-    "cumprod mm bmm addmm dot mv matmul linear bitwise_left_shift __lshift__ mean".split()
-)
-
-
-def _narrows(node: torch.fx.Node) -> bool:
-    """Whether `node` is int64 arithmetic (JAX computes it in int32 with x64 off)."""
-    meta = node.meta.get("val") if node.op == "call_function" else None
-    if not isinstance(meta, torch.Tensor) or meta.dtype != torch.int64:
-        return False
-    return is_op_overload(node.target) and str(node.target).split(".")[1] in _ARITHMETIC
+def _describe(node: torch.fx.Node) -> str:
+    if node.op == "get_attr":
+        return f"a submodule ({node.target})"
+    return op_name(node.target)
 
 
 def _unlike_torch(node: torch.fx.Node, out: Any) -> str:
@@ -350,7 +256,7 @@ def _unlike_torch(node: torch.fx.Node, out: Any) -> str:
     if isinstance(meta, tuple | list):
         if not isinstance(out, tuple | list) or len(out) != len(meta):
             n = len(out) if isinstance(out, tuple | list) else 1
-            return f"its lowering returns {n} outputs, torch's op {len(meta)}"
+            return FALLBACKS["outputs"].format(got=n, want=len(meta))
         pairs = list(zip(out, meta, strict=True))
     else:
         pairs = [(out, meta)]
@@ -359,21 +265,8 @@ def _unlike_torch(node: torch.fx.Node, out: Any) -> str:
             continue
         shape = tuple(val.shape)
         if all(isinstance(d, int) for d in shape) and tuple(value.shape) != shape:
-            return f"its lowering's output has shape {tuple(value.shape)}, torch's {shape}"
+            return FALLBACKS["shape"].format(got=tuple(value.shape), want=shape)
     return ""
-
-
-def _as_torch_differentiates(node: torch.fx.Node, out: Any) -> Any:
-    """A lowered multi-output op's results, with a stop_gradient on each output torch's
-    autograd does not differentiate (native_layer_norm's mean and rstd, batch norm's saved
-    statistics): JAX would differentiate the JAX ops that compute them, torch gives zero."""
-    if not isinstance(out, tuple | list):
-        return out
-    mask = differentiable_outputs(node)
-    if mask is None or all(mask) or len(mask) != len(out):
-        return out
-    kept = [o if d else jax.lax.stop_gradient(o) for o, d in zip(out, mask, strict=True)]
-    return type(out)(kept)
 
 
 def _as_declared(value: Any, meta: Any) -> Any:
@@ -381,7 +274,7 @@ def _as_declared(value: Any, meta: Any) -> Any:
     lowering may compute in another (int32 for int64 with x64 off, float32 for a Python
     float), and the callback path returns the graph's."""
     if isinstance(meta, torch.Tensor):
-        dtype = canonical_jax_dtype(meta.dtype)
+        dtype = output_dtype(meta.dtype)
         value = jnp.asarray(value)
         return value if value.dtype == dtype else value.astype(dtype)
     if isinstance(value, int | float | bool):
