@@ -570,6 +570,27 @@ def test_int64_arithmetic_with_x64_off_is_named_and_exact_with_x64_on():
     assert got.dtype == jnp.int64 and int(got) == scaled_total(_t(x)).item() == 12 * 2**30
 
 
+def test_int64_arithmetic_bounded_by_sizes_is_not_named():
+    # Position ids as transformers make them: an arange plus an offset, a cumsum of a mask
+    # of ones, minus one. Their values stay below the sequence length; only arithmetic on
+    # an input's values (unbounded but by int32's range) may wrap.
+    def positions(ids, offset):  # int32[2, 8], int -> int64[2, 8]
+        mask = torch.ones_like(ids)
+        from_mask = mask.long().cumsum(-1) - 1
+        return torch.arange(ids.shape[1]) + offset + from_mask
+
+    def scaled(ids, offset):
+        return positions(ids, offset) + ids.long() * 3
+
+    ids = np.arange(16, dtype=np.int32).reshape(2, 8)
+    with jax.enable_x64(False):
+        assert not torchjax.lowering_report(positions, ids, 5).narrowed
+        np.testing.assert_array_equal(
+            torchjax.to_jax(positions, lowering="xla")(ids, 5), positions(_t(ids), 5).numpy()
+        )
+        assert "aten.mul.Tensor" in torchjax.lowering_report(scaled, ids, 5).narrowed
+
+
 def test_outputs_torch_does_not_differentiate_get_no_gradient():
     # native_layer_norm's mean and rstd are outputs torch's autograd does not differentiate;
     # JAX would differentiate the ops that compute them.
@@ -712,9 +733,9 @@ def test_an_autograd_function_is_found_under_cprofile():
 
 
 # -- outputs and ops lowering="xla" treats its own way -----------------------------------
-def test_a_structseq_output_and_a_lowering_returning_other_outputs():
+def test_a_structseq_output_of_an_op_with_a_lowering_of_torchjaxs_own():
     # torch.linalg.solve_ex returns a structseq; the op table's lowering of _linalg_solve_ex
-    # returns 2 of its 4 outputs, so it runs as a callback.
+    # returns 2 of its 4 outputs, so torchjax has its own (_xla/_own_ops.py).
     a = rng.standard_normal((3, 3)) + 3 * np.eye(3)
     b = rng.standard_normal((3, 2))
     f = lambda a, b: torch.linalg.solve_ex(a, b)  # noqa: E731
@@ -723,8 +744,8 @@ def test_a_structseq_output_and_a_lowering_returning_other_outputs():
     assert got._fields == ("result", "info")
     np.testing.assert_allclose(got.result, ref.result.numpy(), rtol=1e-5, atol=1e-5)
     assert int(got.info) == int(ref.info) == 0
-    why = {r.op: r.why for r in torchjax.lowering_report(f, a, b).callbacks}
-    assert "returns 2 outputs, torch's op 4" in why["aten._linalg_solve_ex.default"], why
+    report = torchjax.lowering_report(f, a.astype(np.float32), b.astype(np.float32))
+    assert report.fully_lowered and report.exportable, report
 
 
 def test_a_sparse_tensor_in_the_graph_is_refused_with_the_fix():

@@ -13,6 +13,9 @@ import collections
 import concurrent.futures
 import copy
 import functools
+import importlib
+import importlib.util
+import sys
 import types
 import warnings
 
@@ -782,3 +785,39 @@ def test_objects_whose_protocol_raises_are_walked_without_running_their_code(ent
     if transform == "grad":
         (want,) = torch.autograd.grad(want.sum(), x_t)
     np.testing.assert_allclose(np.asarray(got), want.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
+_LAZY_MODULE = """\
+import torch
+TABLE = torch.arange(3.0) * 2
+"""
+
+
+@pytest.mark.parametrize("how", ["import_statement", "import_module"])
+@pytest.mark.parametrize("lowering", ["callback", "xla"])
+def test_a_module_first_imported_inside_the_function_builds_real_tensors(
+    lowering, how, tmp_path, monkeypatch
+):
+    # An import inside forward (torchdiffeq's solvers, a plugin) runs the module's code in
+    # the first fake run or capture: its module-level tensors are real, as after an import
+    # anywhere else, and the module works afterwards in plain torch too.
+    if lowering == "xla" and importlib.util.find_spec("torchax") is None:
+        pytest.skip("lowering='xla' needs torchax")
+    name = f"torchjax_lazy_{lowering}_{how}"
+    (tmp_path / f"{name}.py").write_text(_LAZY_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def fn(x):
+        if how == "import_module":
+            module = importlib.import_module(name)
+        else:
+            module = __import__(name)
+        return x + module.TABLE
+
+    f = torchjax.to_jax(fn, lowering=lowering)
+    x = np.ones(3, np.float32)
+    np.testing.assert_allclose(jax.jit(f)(x), [1.0, 3.0, 5.0])
+    module = sys.modules[name]
+    assert type(module.TABLE) is torch.Tensor  # not a FakeTensor
+    np.testing.assert_allclose(module.TABLE.numpy(), [0.0, 2.0, 4.0])
+    monkeypatch.delitem(sys.modules, name)

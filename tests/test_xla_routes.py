@@ -56,6 +56,9 @@ def test_each_policy_names_a_real_op_and_carries_what_its_kind_needs():
     routes = _routes()
     kinds = {routes.CALLBACK, routes.OWN_LOWERING, routes.KEPT_WHOLE, routes.DECOMPOSED_AS}
     for op, policy in routes.POLICIES.items():
+        if policy.kind == routes.CAPTURED_AS:  # a torch function, by its path
+            assert callable(routes.resolve(op)) and callable(policy.function), policy
+            continue
         namespace, name, overload = op.split(".")
         assert isinstance(
             getattr(getattr(getattr(torch.ops, namespace), name), overload), torch._ops.OpOverload

@@ -17,6 +17,8 @@
 #   which runs in int32 and wraps past 2**31 (narrows; lowering_report lists them).
 from __future__ import annotations
 
+import math
+import operator
 import os
 from typing import Any
 
@@ -124,6 +126,7 @@ _ARITHMETIC = frozenset(
     "add sub rsub mul div floor_divide remainder fmod pow neg abs square sum prod cumsum "
     "cumprod mm bmm addmm dot mv matmul linear bitwise_left_shift __lshift__ mean".split()
 )
+_INT32_MAX = 2**31 - 1
 
 
 def narrows(node: torch.fx.Node) -> bool:
@@ -132,4 +135,88 @@ def narrows(node: torch.fx.Node) -> bool:
     meta = node.meta.get("val") if node.op == "call_function" else None
     if not isinstance(meta, torch.Tensor) or meta.dtype != torch.int64:
         return False
-    return is_op_overload(node.target) and str(node.target).split(".")[1] in _ARITHMETIC
+    return is_op_overload(node.target) and _name(node) in _ARITHMETIC
+
+
+def may_wrap(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The int64 arithmetic nodes of `graph` (narrows) whose values may leave int32's range:
+    each int64 value's bound on its magnitude is followed from the inputs (int32 with x64
+    off, as every constant), sizes and literals through the ops below, and a node is named
+    where its bound exceeds 2**31 - 1. Position ids (an arange plus an offset, a cumsum of a
+    mask) stay far below it: a transformer reports none."""
+    bounds: dict[torch.fx.Node, float] = {}
+    found = []
+    for node in graph.nodes:
+        bounds[node] = bound = _bound(node, bounds)
+        if narrows(node) and bound > _INT32_MAX:
+            found.append(node)
+    return found
+
+
+# Ops whose result is one of their inputs' values (moved, selected, copied, compared-away).
+_MOVING = frozenset(
+    "clone copy _to_copy view reshape _unsafe_view expand slice select index gather "
+    "index_select cat stack where permute transpose t squeeze unsqueeze flip roll repeat "
+    "alias detach max min amax amin maximum minimum clamp clamp_min clamp_max "
+    "masked_fill embedding narrow unbind split split_with_sizes getitem take "
+    "take_along_dim scatter index_put diagonal".split()
+)
+
+
+def _name(node: torch.fx.Node) -> str:
+    return str(node.target).split(".")[1] if is_op_overload(node.target) else ""
+
+
+def _bound(node: torch.fx.Node, bounds: dict) -> float:
+    """A bound on the magnitude of `node`'s values (inf: unknown, or not integers)."""
+    meta = node.meta.get("val")
+    if isinstance(meta, bool | int):
+        return abs(int(meta))
+    if isinstance(meta, torch.Tensor):
+        if meta.dtype == torch.bool:
+            return 1
+        if meta.is_floating_point() or meta.is_complex():
+            return math.inf
+    if isinstance(meta, tuple | list) and _name(node) not in (
+        "split",
+        "split_with_sizes",
+        "unbind",
+    ):
+        return math.inf  # (max.dim's indices are no values of its input)
+    if node.op == "placeholder":  # JAX's int32 (x64 off), or a constant narrowed, checked
+        return _INT32_MAX
+    if node.op != "call_function":
+        return math.inf
+
+    def of(value: Any) -> float:
+        if isinstance(value, torch.fx.Node):
+            return bounds.get(value, math.inf)
+        if isinstance(value, bool | int | float):
+            return abs(value)
+        if isinstance(value, list | tuple):
+            return max((of(v) for v in value), default=0)
+        return math.inf
+
+    args = [a for a in (*node.args, *node.kwargs.values()) if not isinstance(a, torch.dtype)]
+    name = "getitem" if node.target is operator.getitem else _name(node)
+    if name in _MOVING or name in ("neg", "abs", "mean"):
+        return max((of(a) for a in args if isinstance(a, torch.fx.Node | list | tuple)), default=0)
+    if name in ("arange", "full", "scalar_tensor", "full_like", "fill"):
+        return max((of(a) for a in node.args if not isinstance(a, torch.fx.Node)), default=0)
+    if name in ("zeros", "zeros_like", "ones", "ones_like", "new_zeros", "new_ones"):
+        return 1
+    if name in ("add", "sub", "rsub"):
+        alpha = node.kwargs.get("alpha", 1)
+        return of(node.args[0]) + abs(alpha) * of(node.args[1])
+    if name == "mul":
+        return of(node.args[0]) * of(node.args[1])
+    if name in ("floor_divide", "div", "remainder", "fmod"):
+        return max(of(node.args[0]), of(node.args[1]))
+    if name in ("cumsum", "sum") and isinstance(meta, torch.Tensor):
+        source = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        count = source.numel() // max(meta.numel(), 1) if name == "sum" else None
+        if name == "cumsum" and isinstance(source, torch.Tensor):
+            count = source.shape[node.args[1]] if source.ndim else 1
+        if isinstance(count, int):
+            return of(node.args[0]) * count
+    return math.inf

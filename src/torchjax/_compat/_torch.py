@@ -6,11 +6,14 @@
 # _jax.py's banner).
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
+import importlib
 import logging
 import operator
 import sys
+import threading
 from typing import Any
 
 import jax
@@ -428,6 +431,48 @@ FakeTensorMode = private("torch._subclasses.fake_tensor.FakeTensorMode")
 is_fake = private("torch._subclasses.fake_tensor.is_fake")
 unset_fake_temporarily = private("torch._subclasses.fake_tensor.unset_fake_temporarily")
 detect_fake_mode = private("torch._guards.detect_fake_mode")
+_disable_current_modes = private(
+    "torch.utils._python_dispatch._disable_current_modes",
+    fallback="a module first imported inside a fake run builds its tensors as fakes (refused)",
+)
+
+
+@contextlib.contextmanager
+def imports_outside_fakes() -> Any:
+    """Within (a fake run, a capture): an import runs outside torch's dispatch modes, so a
+    module first imported there (an `import` inside forward) builds its module-level
+    tensors real, as anywhere else, not as fakes the run would leave behind."""
+    if _disable_current_modes is ABSENT:
+        yield
+        return
+    real_import, real_import_module = builtins.__import__, importlib.import_module
+
+    inside = threading.local()  # (leaving the modes imports too: no second pass)
+
+    def outside(importer: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if getattr(inside, "active", False):
+                return importer(*args, **kwargs)
+            inside.active = True
+            try:
+                with _disable_current_modes():
+                    return importer(*args, **kwargs)
+            finally:
+                inside.active = False
+
+        return run
+
+    ours = builtins.__import__ = outside(real_import)
+    ours_module = importlib.import_module = outside(real_import_module)
+    try:
+        yield
+    finally:  # (unless something else replaced them meanwhile)
+        if builtins.__import__ is ours:
+            builtins.__import__ = real_import
+        if importlib.import_module is ours_module:
+            importlib.import_module = real_import_module
+
+
 # The fake machinery's logger: it logs the traceback of every meta kernel that raises,
 # which during torchjax's fake runs is an exception torchjax re-raises anyway.
 register("torch._subclasses.fake_tensor.log", "meta-kernel failures in fake runs are logged")

@@ -18,6 +18,7 @@ import torch
 from torchjax._compat._torch import (
     FakeTensorMode,
     compiled_function_original,
+    imports_outside_fakes,
     interpreter_stack_cleared,
     operator_name,
     quiet_fake_tensor_log,
@@ -226,6 +227,7 @@ def _fake_run(
         no_transforms,
         _inside_fake_run(),
         no_inference,
+        imports_outside_fakes(),
         FakeTensorMode(allow_non_fake_inputs=True),
     ):
         leaves, tree = _tree.tree_flatten_with_path(args)

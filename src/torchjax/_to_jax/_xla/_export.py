@@ -3,13 +3,16 @@
 # ATen after decompositions, and a LoweringError naming the frame where capture fails.
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
+import io
+import logging
 import traceback
 import types
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -17,9 +20,10 @@ import numpy as np
 import torch
 
 from torchjax._compat._messages import refuses_grad, refuses_view
-from torchjax._compat._torch import is_fake, is_op_overload, op_schema
+from torchjax._compat._torch import imports_outside_fakes, is_fake, is_op_overload, op_schema
 from torchjax._convert import torch_dtype
 from torchjax._errors import LoweringError, TorchJaxError
+from torchjax._log import logger
 from torchjax._to_jax._call._outputs import as_jax_tree
 from torchjax._to_jax._context import FAKE_RUN_LOCK
 from torchjax._to_jax._fake._isolation import FakeRunState
@@ -27,7 +31,8 @@ from torchjax._to_jax._fake._run import output_struct
 from torchjax._to_jax._xla._autograd_functions import AutogradFunctions
 from torchjax._to_jax._xla._gradients import mark_stop_gradients
 from torchjax._to_jax._xla._op_table import OpTable
-from torchjax._to_jax._xla._routes import decomposed_as, kept_whole
+from torchjax._to_jax._xla._routes import captured_as, decomposed_as, kept_whole
+from torchjax._to_jax._xla._value_checks import ChecksSkipped
 from torchjax._x64 import widened_dtype
 
 _tree = jax.tree_util
@@ -132,6 +137,31 @@ def examples(avals: list, paths: list[str], widen: bool = False) -> tuple[list, 
     return tensors, ({"tensors": specs} if any(s is not None for s in specs) else None)
 
 
+# torch's loggers that speak while torch.export captures (a data-dependent guard's "Unable
+# to find user code"), above the torchjax error that says the same.
+_TORCH_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """Within: what torch.export prints to stderr (the partial FX graph of a failed capture,
+    twice) and its loggers' warnings go to torchjax's logger at DEBUG, not to stderr: a
+    failed capture shows torchjax's error alone, a healthy one nothing."""
+    loggers = [logging.getLogger(n) for n in _TORCH_LOGGERS]
+    levels = [each.level for each in loggers]
+    for each in loggers:
+        each.setLevel(logging.CRITICAL)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    finally:
+        for each, level in zip(loggers, levels, strict=True):
+            each.setLevel(level)
+        if printed.getvalue().strip():
+            logger.debug("torch.export printed while capturing %s:\n%s", name, printed.getvalue())
+
+
 def capture(
     fn: Callable,
     name: str,
@@ -158,8 +188,9 @@ def capture(
             with FAKE_RUN_LOCK, torch.enable_grad(), warnings.catch_warnings():
                 # torch.export's own pytree deprecation notice, about its internals.
                 warnings.filterwarnings("ignore", _TREESPEC_NOTICE, FutureWarning)
-                with functions:
-                    program = _export(flat, tensors, dynamic)
+                with functions, ChecksSkipped(captured_as()), _quiet(name):
+                    with imports_outside_fakes():  # (see _fake/_run.py)
+                        program = _export(flat, tensors, dynamic)
         finally:
             touched.restore()
             touched.clear_grown_caches()  # a cache filled on first use holds a fake tensor

@@ -140,3 +140,44 @@ def slice_scatter(
         end = min(end, size)
     index = tuple(slice(start, end, step) if i == dim else slice(None) for i in range(x.ndim))
     return x.at[index].set(src.astype(x.dtype))
+
+
+def _lu(A: Any) -> tuple[Any, Any, Any]:
+    """A's LU factorization as torch gives it: (LU, 1-based int32 pivots, info), info the
+    1-based index of the first zero on U's diagonal and 0 where there is none (LAPACK's
+    getrf, which torch's `_ex` ops return: the op table's lowerings return 0 always)."""
+    lu, pivots, _ = jax.lax.linalg.lu(A)
+    zero = jnp.diagonal(lu, axis1=-2, axis2=-1) == 0
+    first = jnp.argmax(zero, axis=-1) + 1
+    info = jnp.where(jnp.any(zero, axis=-1), first, 0).astype(jnp.int32)
+    return lu, (pivots + 1).astype(jnp.int32), info
+
+
+def linalg_lu_factor_ex(A: Any, pivot: bool = True, check_errors: bool = False) -> Any:
+    """torch's linalg_lu_factor_ex: (LU, pivots, info), info as torch's (_lu)."""
+    del pivot, check_errors  # (pivot=False is CUDA's only; a lowered check never raises)
+    return _lu(A)
+
+
+def linalg_inv_ex(A: Any, check_errors: bool = False) -> Any:
+    """torch's linalg_inv_ex: (inverse, info), info as torch's (_lu)."""
+    del check_errors
+    return jnp.linalg.inv(A), _lu(A)[2]
+
+
+def linalg_solve_ex(A: Any, B: Any, left: bool = True, check_errors: bool = False) -> Any:
+    """torch's _linalg_solve_ex (linalg.solve's op): (X, LU, pivots, info), with B a batch
+    of vectors where it has one dimension less than A and A's leading sizes (torch's rule),
+    and `left=False` solving X A = B. LU and pivots are A's LU factorization as torch gives
+    it, with torch's info (_lu): a singular A gives inf or NaN, as an error check lowered
+    does not raise (_routes.py's ERROR_CHECKS)."""
+    del check_errors
+    vector = B.ndim == 1 or (B.ndim == A.ndim - 1 and B.shape == A.shape[:-1])
+    transposed = jnp.swapaxes(A, -1, -2)
+    if vector:
+        X = jnp.linalg.solve(A if left else transposed, B[..., None])[..., 0]
+    elif left:
+        X = jnp.linalg.solve(A, B)
+    else:  # X A = B: A^T X^T = B^T
+        X = jnp.swapaxes(jnp.linalg.solve(transposed, jnp.swapaxes(B, -1, -2)), -1, -2)
+    return (X, *_lu(A))

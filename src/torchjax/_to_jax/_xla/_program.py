@@ -24,6 +24,7 @@ from torchjax._to_jax._xla._export import Captured
 from torchjax._to_jax._xla._gradients import user_line
 from torchjax._to_jax._xla._op_table import OpTable
 from torchjax._to_jax._xla._routes import (
+    DROPPED,
     FALLBACKS,
     OP_TABLE,
     OWN,
@@ -32,14 +33,18 @@ from torchjax._to_jax._xla._routes import (
     GraphContext,
     route,
     site,
+    wraps_effect,
 )
-from torchjax._x64 import computes_wide_float, narrows, output_dtype, x64_enabled
+from torchjax._x64 import computes_wide_float, may_wrap, output_dtype, x64_enabled
 
 _SYMBOLIC = """\
 lowering="xla": {op} in {name} runs as a torch callback ({why}), and a torch callback
 needs concrete sizes: it cannot take the symbolic shapes {shapes} (jax.export.symbolic_shape).
 Export at concrete shapes, or make the op lower: torchjax.lowering_report(fn, *example_args)
 at concrete shapes lists each op that runs as a callback and why."""
+
+
+_USER, _TOKEN = "user output", "effect token"  # Program.outputs' kinds besides mutations
 
 
 class SymbolicCallback(LoweringError):
@@ -97,7 +102,8 @@ class Program:
         self.table, self.callback = table, callback
         signature = program.graph_signature
         state = {**program.state_dict, **program.constants}
-        self.inputs: list[tuple[str, Any]] = []  # per placeholder: ("user", i) | ("constant", j)
+        # per placeholder: ("user", i) | ("constant", j) | ("token", None)
+        self.inputs: list[tuple[str, Any]] = []
         constants: list[torch.Tensor] = []
         n_user = 0
         for spec in signature.input_specs:
@@ -107,6 +113,8 @@ class Program:
             elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
                 self.inputs.append(("constant", len(constants)))
                 constants.append(state[spec.target])
+            elif spec.kind == InputKind.TOKEN:  # torch's effect token: see _routes.py
+                self.inputs.append(("token", None))
             else:
                 raise LoweringError(
                     f'lowering="xla": {name} takes a {spec.kind.name.lower()} input '
@@ -116,29 +124,30 @@ class Program:
         # tensors hold later (the callback path reads them at each call instead).
         self.constants = [tensor_to_jax(t.detach().clone(), "a constant") for t in constants]
         user_names = [s.arg.name for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
-        self.mutated: list[int | None] = []  # per mutation output: the user input it writes
-        self.n_mutations = 0
+        # Per graph output: the user input it writes (a mutation), None for a buffer of a
+        # module the function closes over, USER for a user output, TOKEN for an effect token.
+        self.outputs: list[Any] = []
         for spec in signature.output_specs:
             if spec.kind == OutputKind.USER_INPUT_MUTATION:
-                self.mutated.append(user_names.index(spec.target))
+                self.outputs.append(user_names.index(spec.target))
             elif spec.kind == OutputKind.BUFFER_MUTATION:
-                self.mutated.append(None)  # a buffer of a module the function closes over
+                self.outputs.append(None)
+            elif spec.kind == OutputKind.TOKEN:
+                self.outputs.append(_TOKEN)
             else:
-                continue
-            self.n_mutations += 1
+                self.outputs.append(_USER)
         self.routes: dict[str, Route] = {}
         # With x64 off JAX holds int64 values as int32: arithmetic the graph does in int64
         # wraps past 2**31 where torch's would not (the callback path raises a
-        # ConversionError for an output out of int32's range instead). Named in the report.
+        # ConversionError for an output out of int32's range instead). Named in the report
+        # where its values may leave int32's range.
         x64 = x64_enabled()
-        self.narrowed = sorted(
-            {op_name(n.target) for n in self.graph.nodes if not x64 and narrows(n)}
-        )
+        self.narrowed = sorted({op_name(n.target) for n in may_wrap(self.graph)} if not x64 else [])
         _refuse(name, self.graph, GraphContext(x64=x64))
 
     @property
     def mutated_inputs(self) -> list[int]:
-        return [i for i in self.mutated if i is not None]
+        return [i for i in self.outputs if isinstance(i, int)]
 
     def run(self, constants: list, arrays: list, key: Any) -> tuple[list, dict]:
         keys = _Keys(key) if key is not None else None
@@ -148,7 +157,7 @@ class Program:
         for node in self.graph.nodes:
             if node.op == "placeholder":
                 kind, i = next(placeholders)
-                env[node] = arrays[i] if kind == "user" else constants[i]
+                env[node] = arrays[i] if kind == "user" else constants[i] if i is not None else None
             elif node.op == "call_function":
                 args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
                 env[node] = self._call(node, args, kwargs, keys)
@@ -158,17 +167,23 @@ class Program:
             n.meta.get("val") if isinstance(n, torch.fx.Node) else None
             for n in self.graph.output_node().args[0]
         ]
-        outs = [_as_declared(v, m) for v, m in zip(outs, metas, strict=True)]
-        mutations = {i: outs[k] for k, i in enumerate(self.mutated) if i is not None}
-        return outs[self.n_mutations :], mutations
+        user, mutations = [], {}
+        for kind, value, meta in zip(self.outputs, outs, metas, strict=True):
+            if kind is _USER:
+                user.append(_as_declared(value, meta))
+            elif isinstance(kind, int):
+                mutations[kind] = _as_declared(value, meta)
+        return user, mutations
 
     def _call(self, node: torch.fx.Node, args: tuple, kwargs: dict, keys: _Keys | None) -> Any:
         target = node.target
-        if not is_op_overload(target):
+        if not is_op_overload(target) and not wraps_effect(node):
             return target(*args, **kwargs)  # operator.getitem, arithmetic on sizes
-        where = site(target, self.table.lowering(target), keys is not None)
+        where = site(node, self.table, keys is not None)
         rule = route(where)
         why = rule.why
+        if rule.route == DROPPED:  # (the token, and the check's result: None)
+            return self._lowered(node, (args[0], None), where.op)
         if rule.route == STOP_GRADIENT:
             return self._lowered(node, jax.lax.stop_gradient(args[0]))
         if rule.route == OWN:
@@ -202,8 +217,8 @@ class Program:
             )
         return self.callback(target)(*args, **kwargs)
 
-    def _lowered(self, node: torch.fx.Node, out: Any) -> Any:
-        self.routes[node.name] = Route(node.name, op_name(node.target), True)
+    def _lowered(self, node: torch.fx.Node, out: Any, op: str = "") -> Any:
+        self.routes[node.name] = Route(node.name, op or op_name(node.target), True)
         return out
 
 

@@ -18,12 +18,16 @@ import torch
 
 from torchjax._compat._torch import has_value_dependent_size, is_higher_order_op, is_op_overload
 from torchjax._to_jax._xla._own_ops import (
+    linalg_inv_ex,
+    linalg_lu_factor_ex,
+    linalg_solve_ex,
     linalg_vector_norm,
     log_ndtr,
     nextafter,
     safe_softmax,
     slice_scatter,
 )
+from torchjax._to_jax._xla._value_checks import corrcoef, cov, gaussian_nll_loss
 from torchjax._x64 import computes_wide_float
 
 # -- per-op policies ----------------------------------------------------------------------
@@ -32,6 +36,10 @@ CALLBACK = "callback"  # runs as a torch callback: its lowering disagrees with t
 OWN_LOWERING = "own lowering"  # lowered by torchjax's own JAX function, kept whole
 KEPT_WHOLE = "kept whole"  # not decomposed: the op table lowers it whole, or a callback runs it
 DECOMPOSED_AS = "decomposed as"  # decomposed by `function` in place of torch's table
+# A torch function (named by its path, "torch.cov") that validates its arguments by reading
+# values, which torch.export cannot capture: captured as `function`, without the check
+# (_value_checks.py).
+CAPTURED_AS = "captured as"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +117,24 @@ _POLICIES: tuple[OpPolicy, ...] = (
         linalg_vector_norm,
     ),
     OpPolicy("aten.nextafter.default", OWN_LOWERING, "JAX has no derivative of it", nextafter),
+    OpPolicy(
+        "aten._linalg_solve_ex.default",
+        OWN_LOWERING,
+        "the op table's lowering returns 2 of its 4 outputs (linalg.solve ran as a callback)",
+        linalg_solve_ex,
+    ),
+    OpPolicy(
+        "aten.linalg_lu_factor_ex.default",
+        OWN_LOWERING,
+        "the op table's lowering returns info 0 for a singular matrix, torch's > 0",
+        linalg_lu_factor_ex,
+    ),
+    OpPolicy(
+        "aten.linalg_inv_ex.default",
+        OWN_LOWERING,
+        "the op table's lowering returns info 0 for a singular matrix, torch's > 0",
+        linalg_inv_ex,
+    ),
     # Not decomposed: the op table's lowering of the whole op, or a callback where it has none.
     OpPolicy(
         "aten.max_unpool2d.default",
@@ -139,6 +165,20 @@ _POLICIES: tuple[OpPolicy, ...] = (
         "the op torch runs when the weight requires grad: it has a derivative",
         _embedding_bag,
     ),
+    *(
+        OpPolicy(path, CAPTURED_AS, f"{check}: a value check torch.export cannot capture", fn)
+        for path, check, fn in (
+            ("torch.cov", "weights sum to zero, or are negative", cov),
+            ("torch.Tensor.cov", "weights sum to zero, or are negative", cov),
+            ("torch.corrcoef", "torch.cov's", corrcoef),
+            ("torch.Tensor.corrcoef", "torch.cov's", corrcoef),
+            (
+                "torch.nn.functional.gaussian_nll_loss",
+                "var has negative entries",
+                gaussian_nll_loss,
+            ),
+        )
+    ),
 )
 
 POLICIES: dict[str, OpPolicy] = {p.op: p for p in _POLICIES}
@@ -165,10 +205,52 @@ def decomposed_as() -> dict[Any, Callable[..., Any]]:
     return {_overload(op): p.function for op, p in POLICIES.items() if p.kind == DECOMPOSED_AS}
 
 
+def captured_as() -> dict[Callable[..., Any], Callable[..., Any]]:
+    """{torch function: the form it is captured as} for CAPTURED_AS policies."""
+    return {resolve(op): p.function for op, p in POLICIES.items() if p.kind == CAPTURED_AS}
+
+
+def resolve(path: str) -> Any:
+    """The torch function at a dotted path ("torch.nn.functional.gaussian_nll_loss")."""
+    found: Any = torch
+    for part in path.split(".")[1:]:
+        found = getattr(found, part)
+    return found
+
+
 def _overload(name: str) -> Any:
     """torch.ops.aten.add.Tensor for "aten.add.Tensor"."""
     namespace, op, overload = name.split(".")
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+# -- torch's error checks ------------------------------------------------------------------
+# torch checks some values it computed and raises (a singular matrix for linalg.inv and
+# solve, a failed assert); torch.export threads an effect token through each such check,
+# wrapped in with_effects. JAX raises nothing inside a compiled program, so lowered, a check
+# is dropped: the values are the ones the op computes without it (inv of a singular matrix:
+# inf or NaN, as jnp.linalg.inv's), and the `_ex` ops' info outputs keep torch's values, for
+# code that wants to test them. Any other op behind a token (one with side effects) refuses.
+ERROR_CHECKS = frozenset(
+    {
+        "aten._linalg_check_errors.default",
+        "aten._assert_async.default",
+        "aten._assert_async.msg",
+        "aten._assert_scalar.default",
+        "aten._functional_assert_async.msg",
+        "aten._functional_assert_scalar.default",
+    }
+)
+_WITH_EFFECTS = getattr(torch.ops.higher_order, "with_effects", None)
+
+
+def wraps_effect(node: torch.fx.Node) -> bool:
+    """Whether `node` is torch.export's with_effects around an op (args: token, op, ...)."""
+    return _WITH_EFFECTS is not None and node.target is _WITH_EFFECTS
+
+
+def _op_name(target: Any) -> str:
+    return str(target) if is_op_overload(target) else getattr(target, "__name__", repr(target))
 
 
 # -- refusals of a whole graph ------------------------------------------------------------
@@ -209,6 +291,11 @@ whole function in torch: eagerly as it is, and under jit with its outputs declar
 _HIGHER_ORDER = """\
 lowering="xla": {name} uses {op}, a torch higher-order op (control flow or a wrapped
 subgraph), which has no lowering yet. Use lowering="callback" (the default) for it."""
+
+_EFFECT = """\
+lowering="xla": {name} calls {op}, an op with side effects (torch.export threads an effect
+token through it{where}). A lowered program computes values only. Use lowering="callback"
+(the default), which runs the function as torch code."""
 
 _NOT_STRIDED = """\
 lowering="xla": {name} makes a {layout} tensor ({op}). JAX arrays are dense, so neither a
@@ -252,8 +339,15 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal("a value-dependent shape", _value_shaped, _VALUE_SHAPED),
     Refusal(
+        "an op with side effects",
+        lambda node, context: wraps_effect(node) and _op_name(node.args[1]) not in ERROR_CHECKS,
+        _EFFECT,
+    ),
+    Refusal(
         "a higher-order op or a submodule",
-        lambda node, context: is_higher_order_op(node.target) or node.op == "get_attr",
+        lambda node, context: (
+            (is_higher_order_op(node.target) and not wraps_effect(node)) or node.op == "get_attr"
+        ),
         _HIGHER_ORDER,
     ),
     Refusal("a sparse or other non-strided tensor", _not_strided, _NOT_STRIDED),
@@ -262,6 +356,7 @@ REFUSALS: tuple[Refusal, ...] = (
 
 # -- route rules --------------------------------------------------------------------------
 
+DROPPED = "dropped"  # a torch error check (above): nothing runs
 STOP_GRADIENT = "stop_gradient"  # jax.lax.stop_gradient of its input
 OWN = "own"  # the policy's JAX function
 OP_TABLE = "op table"  # the op table's lowering (which may fall back, FALLBACKS)
@@ -271,14 +366,15 @@ TORCH_CALLBACK = "callback"  # the torch kernel, through the callback primitive
 @dataclasses.dataclass(frozen=True)
 class Site:
     """What a route rule sees of one op node: its op's name, its policy, the op table's
-    entry (torchax's Operator: func, is_jax_function, needs_env) and whether the call has a
-    JAX key for random ops."""
+    entry (torchax's Operator: func, is_jax_function, needs_env), whether the call has a
+    JAX key for random ops, and whether the op runs behind an effect token."""
 
     op: str
     target: Any
     policy: OpPolicy | None
     entry: Any
     has_key: bool
+    effect: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,6 +402,7 @@ def _marks_stop_gradient(site: Site) -> bool:
 
 
 RULES: tuple[Rule, ...] = (
+    Rule("torch's error check", DROPPED, lambda s: s.effect and s.op in ERROR_CHECKS),
     Rule("stop-gradient marker", STOP_GRADIENT, _marks_stop_gradient),
     Rule(
         "listed as disagreeing",
@@ -343,6 +440,11 @@ def route(site: Site) -> Rule:
     return next(rule for rule in RULES if rule.applies(site))
 
 
-def site(target: Any, entry: Any, has_key: bool) -> Site:
-    name = str(target) if is_op_overload(target) else getattr(target, "__name__", repr(target))
-    return Site(name, target, POLICIES.get(name), entry, has_key)
+def site(node: torch.fx.Node, table: Any, has_key: bool) -> Site:
+    """The Site of op node `node` (an op behind an effect token: that op's), with the op
+    table's entry from `table` (an OpTable)."""
+    if wraps_effect(node):
+        name = _op_name(node.args[1])
+        return Site(name, node.args[1], POLICIES.get(name), None, has_key, effect=True)
+    name = _op_name(node.target)
+    return Site(name, node.target, POLICIES.get(name), table.lowering(node.target), has_key)
