@@ -865,3 +865,19 @@ def test_declared_types_are_checked_against_the_capture():
     )
     with pytest.raises(torchjax.errors.OutputMismatchError, match=r"float32\[2, 4\]"):
         apply(variables, x)
+
+
+def test_a_failed_capture_prints_nothing_but_torchjaxs_error(capfd):
+    # torch.export prints its partial FX graph (twice) and a symbolic_shapes warning when a
+    # capture fails; they go to torchjax's logger at DEBUG, not to the user's stderr.
+    def branches(x):
+        if x.sum() > 0:
+            return x * 2
+        return x
+
+    capfd.readouterr()
+    with pytest.raises(LoweringError, match="cannot capture .*branches"):
+        torchjax.to_jax(branches, lowering="xla")(np.ones(3, np.float32))
+    out, err = capfd.readouterr()
+    assert "def forward" not in out + err and "symbolic_shapes" not in err, err
+    assert err.strip() == "", err

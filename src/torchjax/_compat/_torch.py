@@ -10,6 +10,7 @@ import builtins
 import contextlib
 import functools
 import importlib
+import io
 import logging
 import operator
 import sys
@@ -435,6 +436,28 @@ _disable_current_modes = private(
     "torch.utils._python_dispatch._disable_current_modes",
     fallback="a module first imported inside a fake run builds its tensors as fakes (refused)",
 )
+
+
+# torch's loggers that speak while torch.export captures (a data-dependent guard's "Unable
+# to find user code"), above the torchjax error that says the same.
+_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
+
+
+@contextlib.contextmanager
+def export_silenced() -> Any:
+    """Within (a torch.export capture): torch's export loggers are silent, and what torch
+    prints to stderr (a failed capture's partial FX graph) goes to the StringIO yielded."""
+    loggers = [logging.getLogger(n) for n in _EXPORT_LOGGERS]
+    levels = [each.level for each in loggers]
+    for each in loggers:
+        each.setLevel(logging.CRITICAL)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield printed
+    finally:
+        for each, level in zip(loggers, levels, strict=True):
+            each.setLevel(level)
 
 
 @contextlib.contextmanager

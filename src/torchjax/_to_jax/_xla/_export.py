@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import io
-import logging
 import traceback
 import types
 import warnings
@@ -20,7 +18,13 @@ import numpy as np
 import torch
 
 from torchjax._compat._messages import refuses_grad, refuses_view
-from torchjax._compat._torch import imports_outside_fakes, is_fake, is_op_overload, op_schema
+from torchjax._compat._torch import (
+    export_silenced,
+    imports_outside_fakes,
+    is_fake,
+    is_op_overload,
+    op_schema,
+)
 from torchjax._convert import torch_dtype
 from torchjax._errors import LoweringError, TorchJaxError
 from torchjax._log import logger
@@ -137,29 +141,19 @@ def examples(avals: list, paths: list[str], widen: bool = False) -> tuple[list, 
     return tensors, ({"tensors": specs} if any(s is not None for s in specs) else None)
 
 
-# torch's loggers that speak while torch.export captures (a data-dependent guard's "Unable
-# to find user code"), above the torchjax error that says the same.
-_TORCH_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
-
-
 @contextlib.contextmanager
 def _quiet(name: str) -> Iterator[None]:
     """Within: what torch.export prints to stderr (the partial FX graph of a failed capture,
     twice) and its loggers' warnings go to torchjax's logger at DEBUG, not to stderr: a
     failed capture shows torchjax's error alone, a healthy one nothing."""
-    loggers = [logging.getLogger(n) for n in _TORCH_LOGGERS]
-    levels = [each.level for each in loggers]
-    for each in loggers:
-        each.setLevel(logging.CRITICAL)
-    printed = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(printed):
+    with export_silenced() as printed:
+        try:
             yield
-    finally:
-        for each, level in zip(loggers, levels, strict=True):
-            each.setLevel(level)
-        if printed.getvalue().strip():
-            logger.debug("torch.export printed while capturing %s:\n%s", name, printed.getvalue())
+        finally:
+            if printed.getvalue().strip():
+                logger.debug(
+                    "torch.export printed while capturing %s:\n%s", name, printed.getvalue()
+                )
 
 
 def capture(
